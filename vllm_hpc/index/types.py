@@ -1,0 +1,54 @@
+"""Identifiers and small enums shared by every module of the index.
+
+Distinct ``NewType`` ids keep a page id from being passed where a slab id is expected; mypy
+catches the mix-up, the runtime pays nothing.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NewType
+
+BLOCK_TOKENS = 64
+"""Tokens per KV block; the unit of identity (§5.1)."""
+
+TOKEN_BYTES = 4
+"""Tokens are stored packed as signed 32-bit integers (``array('i')``)."""
+
+BLOCK_BYTES_PACKED = BLOCK_TOKENS * TOKEN_BYTES
+
+NodeId = NewType("NodeId", int)
+SnapshotId = NewType("SnapshotId", int)
+PageId = NewType("PageId", int)
+SlabId = NewType("SlabId", int)
+SlotId = NewType("SlotId", int)
+BlockHash = NewType("BlockHash", int)
+Tick = NewType("Tick", int)
+
+TICK_ZERO = Tick(0)
+
+
+class Residency(Enum):
+    """State of one copy (device or host) of a node, tail or image (§5.2).
+
+    FILLING means a transfer is writing the copy: readers must wait and nobody may free it.
+    """
+
+    ABSENT = 0
+    FILLING = 1
+    RESIDENT = 2
+
+
+class SnapshotKind(Enum):
+    """Why a snapshot exists; decides how supersession treats it (§9.3)."""
+
+    TAP = "tap"
+    """A planned tap in a prompt (flexible or exact)."""
+    ENDPOINT = "endpoint"
+    """Taken when a request finishes or is cancelled, at its exact frontier (§7.7)."""
+    BOUNDARY = "boundary"
+    """A tap at a client breakpoint or structural boundary: conversations may share it."""
+
+
+class InvariantError(AssertionError):
+    """An internal invariant of the index does not hold: a bug in the index, not the caller."""

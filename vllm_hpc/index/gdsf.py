@@ -1,0 +1,79 @@
+"""GreedyDual-Size-Frequency valuation of snapshots (§9.3).
+
+    H(s) = L_s + F(s) · C(s) / Z(s)
+    C(s) = max(0, prefill_seconds(F_a, F_s - F_a) - restore_seconds(image_bytes))
+           a = nearest retained snapshot above s on its path (F_a = 0 for the root)
+    Z(s) = image_bytes + tail_bytes + exclusive_path_bytes(s)
+    F(s) = 1 + hits(s)
+
+L_s is the inflation value L when s was published or last hit. L only rises: recomputing C or Z
+for a neighbour's sake can leave an H below L, so evicting it must not lower L.
+"""
+
+from __future__ import annotations
+
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.host_pool import HostGeometry
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.snapshot_table import SnapshotTable
+from vllm_hpc.index.types import BLOCK_TOKENS
+
+
+class GdsfValuation:
+    def __init__(self, cost: CacheCostModel, geometry: HostGeometry) -> None:
+        self.cost = cost
+        self.geometry = geometry
+        self.inflation = 0.0
+        """L: rises to the priority of each value-based victim."""
+
+    def inflate(self, victim_priority: float) -> None:
+        self.inflation = max(self.inflation, victim_priority)
+
+    def stamp(self, snapshot: Snapshot) -> None:
+        """Record L at publication or hit: the snapshot's aging base."""
+        snapshot.base_l = self.inflation
+
+    def saved_seconds(self, frontier: int, base: int) -> float:
+        """C: prefill from ``base`` to ``frontier`` that a restore of the image saves."""
+        prefill = self.cost.prefill_seconds(base, frontier - base)
+        return max(0.0, prefill - self.cost.restore_seconds(self.geometry.image_bytes))
+
+    def own_bytes(self, has_tail: bool) -> int:
+        return self.geometry.image_bytes + (self.geometry.block_bytes if has_tail else 0)
+
+    def exclusive_path_bytes(self, snapshot: Snapshot) -> int:
+        """Host bytes of the path nodes below which ``snapshot`` is the only retained one."""
+        if snapshot.superseded:
+            return 0
+        held = 0
+        node: BlockNode | None = snapshot.anchor
+        while node is not None and not node.is_root and node.retained_below == 1:
+            if node.host_slab is not None:
+                held += 1
+            node = node.parent
+        return held * self.geometry.block_bytes
+
+    def revalue(self, snapshot: Snapshot) -> None:
+        """Recompute C, Z and H from the current tree."""
+        above = SnapshotTable.nearest_retained(snapshot)
+        base = 0 if above is None else above.frontier
+        snapshot.cost = self.saved_seconds(snapshot.frontier, base)
+        snapshot.size = self.own_bytes(bool(snapshot.tail)) + self.exclusive_path_bytes(snapshot)
+        self._reprioritize(snapshot)
+
+    def resize(self, snapshot: Snapshot, delta_bytes: int) -> None:
+        """A node of the snapshot's exclusive path gained or lost its host copy."""
+        snapshot.size += delta_bytes
+        self._reprioritize(snapshot)
+
+    def estimate(self, frontier: int, previous: int, has_tail: bool) -> float:
+        """H of a snapshot not yet published (§9.2): no hits, and the blocks since the
+        sequence's previous snapshot counted as its own."""
+        blocks = frontier // BLOCK_TOKENS - previous // BLOCK_TOKENS
+        size = self.own_bytes(has_tail) + blocks * self.geometry.block_bytes
+        return self.inflation + self.saved_seconds(frontier, previous) / size
+
+    @staticmethod
+    def _reprioritize(snapshot: Snapshot) -> None:
+        snapshot.priority = snapshot.base_l + (1 + snapshot.hits) * snapshot.cost / snapshot.size

@@ -1,0 +1,92 @@
+"""Recurrent-state snapshots anchored on tree nodes (§5.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.types import (
+    TICK_ZERO,
+    TOKEN_BYTES,
+    PageId,
+    Residency,
+    SlabId,
+    SlotId,
+    SnapshotId,
+    SnapshotKind,
+    Tick,
+)
+
+
+@dataclass(slots=True, eq=False)
+class Snapshot:
+    """The complete model state after tokens [0, frontier) of one exact token path.
+
+    The path is the anchor's blocks plus ``tail``: the 0-63 exact tokens after the anchor. A
+    snapshot with a tail owns one private page (device and/or host) holding the tail's KV.
+
+    ::
+
+        root ── N0 ── N1 (anchor) ┆ tail ┆
+        [0 ............ 128)      [128 .. frontier)
+    """
+
+    id: SnapshotId
+    kind: SnapshotKind
+    anchor: BlockNode = field(repr=False)
+    tail: bytes = field(repr=False)
+    published: Tick
+    # Image copies: a device snapshot slot and/or host slabs.
+    slot: SlotId | None = None
+    image_slabs: tuple[SlabId, ...] = ()
+    image_host: Residency = Residency.ABSENT
+    # Tail copies (only when the tail is not empty).
+    tail_page: PageId | None = None
+    tail_device: Residency = Residency.ABSENT
+    tail_slab: SlabId | None = None
+    tail_host: Residency = Residency.ABSENT
+    pins: int = 0
+    """In-flight transfers reading or writing it; its anchor path is pinned with it."""
+    # Supersession and recency (§9.2, §9.3).
+    superseded: bool = False
+    superseded_at: Tick = TICK_ZERO
+    last_hit: Tick = TICK_ZERO
+    hits: int = 0
+    # Nearest snapshot above on the path, and the snapshots whose nearest it is (§9.3).
+    ancestor: Snapshot | None = field(default=None, repr=False)
+    dependents: set[Snapshot] = field(default_factory=set, repr=False)
+    # GDSF valuation: H = base_l + (1 + hits) * cost / size.
+    base_l: float = 0.0
+    cost: float = 0.0
+    size: int = 0
+    priority: float = 0.0
+
+    @property
+    def tail_len(self) -> int:
+        return len(self.tail) // TOKEN_BYTES
+
+    @property
+    def frontier(self) -> int:
+        return self.anchor.end + self.tail_len
+
+    @property
+    def holds_host(self) -> bool:
+        return bool(self.image_slabs) or self.tail_slab is not None
+
+    @property
+    def complete_on_device(self) -> bool:
+        """Restorable without the host tier: image in a slot and tail (if any) on device."""
+        return self.slot is not None and (not self.tail or self.tail_device is Residency.RESIDENT)
+
+    def covers(self, other: Snapshot) -> bool:
+        """True when this snapshot lies strictly above ``other`` on other's token path."""
+        if other.frontier <= self.frontier:
+            return False
+        node: BlockNode | None = other.anchor
+        below: BlockNode | None = None
+        while node is not None and node.depth > self.anchor.depth:
+            below, node = node, node.parent
+        if node is not self.anchor:
+            return False
+        following = other.tail if below is None else below.tokens
+        return following.startswith(self.tail)

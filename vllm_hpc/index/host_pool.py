@@ -1,0 +1,112 @@
+"""Accounting of the one pinned host tier: fixed-size slabs shared by blocks and snapshots (§5.4).
+
+Every record is a whole number of equal slabs, so there is no fragmentation and capacity is just
+the free count. Slabs are grouped in chunks of at most 4 GiB (one huge pinned allocation can fail
+or stall); a slab never crosses a chunk, and the binding must not join copies across chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from vllm_hpc.index.types import SlabId
+
+SLAB_ALIGN_BYTES = 4096
+CHUNK_LIMIT_BYTES = 4 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class HostGeometry:
+    """Byte sizes of one block record and one snapshot state image."""
+
+    block_bytes: int
+    image_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.block_bytes <= 0 or self.image_bytes <= 0:
+            raise ValueError("block_bytes and image_bytes must be positive")
+
+    @property
+    def slab_bytes(self) -> int:
+        """One block record rounded up to 4 KiB."""
+        return -(-self.block_bytes // SLAB_ALIGN_BYTES) * SLAB_ALIGN_BYTES
+
+    @property
+    def image_slabs(self) -> int:
+        """ceil(image_bytes / slab_bytes): an image is split over that many (scattered) slabs."""
+        return -(-self.image_bytes // self.slab_bytes)
+
+    def snapshot_slabs(self, has_tail: bool) -> int:
+        return self.image_slabs + (1 if has_tail else 0)
+
+
+class SlabUse(IntEnum):
+    FREE = 0
+    NODE = 1
+    IMAGE = 2
+    TAIL = 3
+
+
+class HostSlabPool:
+    """Slab ids 0..capacity-1 with an O(1) index-stack free list; budget 0 means no host tier."""
+
+    def __init__(self, budget_bytes: int, geometry: HostGeometry) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"host cache budget must not be negative, got {budget_bytes}")
+        self.geometry = geometry
+        slab_bytes = geometry.slab_bytes
+        self.capacity = budget_bytes // slab_bytes
+        minimum = geometry.snapshot_slabs(has_tail=True) + 1
+        if budget_bytes and self.capacity < minimum:
+            raise ValueError(
+                f"host cache budget {budget_bytes} bytes is smaller than one snapshot with its "
+                f"tail plus one block ({minimum} slabs of {slab_bytes} bytes = "
+                f"{minimum * slab_bytes} bytes); use 0 to disable the host tier"
+            )
+        self.slabs_per_chunk = max(1, CHUNK_LIMIT_BYTES // slab_bytes)
+        full, rest = divmod(self.capacity, self.slabs_per_chunk)
+        self.chunk_slabs: tuple[int, ...] = (self.slabs_per_chunk,) * full + (
+            (rest,) if rest else ()
+        )
+        self._uses = bytearray(self.capacity)
+        self._free: list[SlabId] = [SlabId(s) for s in range(self.capacity - 1, -1, -1)]
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_slabs(self) -> list[SlabId]:
+        return list(self._free)
+
+    def use(self, slab: SlabId) -> SlabUse:
+        return SlabUse(self._uses[slab])
+
+    def chunk_of(self, slab: SlabId) -> int:
+        return slab // self.slabs_per_chunk
+
+    def location(self, slab: SlabId) -> tuple[int, int]:
+        """(chunk index, byte offset inside that chunk) of a slab."""
+        chunk, index = divmod(slab, self.slabs_per_chunk)
+        return chunk, index * self.geometry.slab_bytes
+
+    def allocate(self, count: int, use: SlabUse) -> list[SlabId] | None:
+        """``count`` slabs, or None when fewer are free (the caller evicts first)."""
+        assert use is not SlabUse.FREE
+        if count > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(count)]
+        for slab in taken:
+            self._uses[slab] = use
+        return taken
+
+    def free(self, slabs: tuple[SlabId, ...] | list[SlabId]) -> None:
+        for slab in slabs:
+            assert self._uses[slab] != SlabUse.FREE, f"slab {slab} freed twice"
+            self._uses[slab] = SlabUse.FREE
+            self._free.append(slab)

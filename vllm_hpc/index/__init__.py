@@ -1,0 +1,92 @@
+"""Model-agnostic core of the hybrid prefix cache: identities, residency and accounting.
+
+Pure Python (stdlib and ``xxhash``): it never touches tensor memory and imports neither torch
+nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` plans snapshot positions.
+"""
+
+from vllm_hpc.index.admission import (
+    Admission,
+    AdmissionQuote,
+    GrowthPages,
+    MatchResult,
+    Readiness,
+    SourceOption,
+)
+from vllm_hpc.index.block_tree import BlockNode, BlockTree
+from vllm_hpc.index.config import IndexConfig
+from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
+from vllm_hpc.index.lease import Lease
+from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
+from vllm_hpc.index.prefix_index import PrefixIndex, StaleQuoteError
+from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, prepare_prompt, xxh3_block_hash
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.stats import CacheStats
+from vllm_hpc.index.tap_planner import (
+    PlannedTap,
+    TapHint,
+    TapPlanner,
+    TapPolicy,
+    TapRequest,
+    TapSource,
+    chunk_ends,
+)
+from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Restore, SnapshotWrite
+from vllm_hpc.index.types import (
+    BLOCK_TOKENS,
+    InvariantError,
+    NodeId,
+    PageId,
+    Residency,
+    SlabId,
+    SlotId,
+    SnapshotId,
+    SnapshotKind,
+)
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "Admission",
+    "AdmissionQuote",
+    "BlockCopy",
+    "BlockNode",
+    "BlockTree",
+    "BlockWrite",
+    "CacheCostModel",
+    "CacheStats",
+    "CommitOutcome",
+    "CommitResult",
+    "GrowthPages",
+    "HostGeometry",
+    "HostSlabPool",
+    "IndexConfig",
+    "InvariantError",
+    "Lease",
+    "MatchResult",
+    "MediaItem",
+    "NodeId",
+    "PageId",
+    "PlannedTap",
+    "PrefixIndex",
+    "PreparedPrompt",
+    "Publication",
+    "Readiness",
+    "Residency",
+    "Restore",
+    "SlabId",
+    "SlotId",
+    "Snapshot",
+    "SnapshotId",
+    "SnapshotKind",
+    "SnapshotWrite",
+    "SourceOption",
+    "StaleQuoteError",
+    "TapHint",
+    "TapPlanner",
+    "TapPolicy",
+    "TapRequest",
+    "TapSource",
+    "chunk_ends",
+    "prepare_prompt",
+    "xxh3_block_hash",
+]

@@ -1,0 +1,175 @@
+"""Lookup results, source choice and the capacity arithmetic of admission (§6.1-§6.3).
+
+No search: at most three sources (root, the deepest snapshot s*, the deepest fully
+device-resident snapshot s_dev), each priced by the cost model, then one page-count check per
+source in fallback order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.device_lru import DeviceLRU
+from vllm_hpc.index.host_pool import HostGeometry
+from vllm_hpc.index.lease import Lease
+from vllm_hpc.index.prompt import PreparedPrompt
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.transfers import Restore
+from vllm_hpc.index.types import Residency, Tick
+
+GrowthPages = Callable[[int], int]
+"""``growth_pages(F)``: pages the sequence itself needs when it resumes at frontier F.
+
+Supplied by the caller's entitlement rule (remaining prompt, output window, cushion); it does not
+include the path blocks and tail the index restores or copies.
+"""
+
+
+class Readiness(Enum):
+    READY = "ready"
+    TEMPORARILY_BLOCKED = "temporarily_blocked"
+    """Active sequences hold the pages the request needs; retry when they release."""
+    PERMANENTLY_INFEASIBLE = "permanently_infeasible"
+    """The request does not fit even in an empty cache."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MatchResult:
+    """The matched path N_0..N_{k-1} and every valid snapshot on it with F <= n - 1."""
+
+    prompt: PreparedPrompt
+    root: BlockNode | None
+    path: list[BlockNode]
+    candidates: list[Snapshot]
+    """Ascending frontier; none lies strictly inside a media span."""
+
+    @property
+    def matched_tokens(self) -> int:
+        return len(self.path) * 64
+
+    @property
+    def frontiers(self) -> list[int]:
+        return [s.frontier for s in self.candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOption:
+    """One admission source with what it would cost to materialise."""
+
+    snapshot: Snapshot | None
+    """None for the root (prefill from token 0)."""
+    frontier: int
+    host_bytes: int
+    """Bytes restored from the host: path blocks, image and tail not on the device."""
+    restore_pages: int
+    """Cache-owned device pages the restore fills: host-only path blocks and tail."""
+    cow_pages: int
+    """The sequence's private copy of a partial tail page."""
+    own_evictable: int
+    """Device LRU entries this admission pins itself (its path and tail): not available."""
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AdmissionQuote:
+    readiness: Readiness
+    source: SourceOption | None
+    """The feasible source (READY only)."""
+    need_pages: int
+    """Pages the source needs (READY), or that the root needs (otherwise)."""
+    match: MatchResult
+    epoch: Tick
+    """The cache's clock when quoted: ``acquire`` refuses a quote the cache has moved past."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Admission:
+    lease: Lease
+    source: Snapshot | None
+    frontier: int
+    """Reuse frontier: the sequence prefills tokens [frontier, n)."""
+    restore: Restore | None
+    """Copies to run, then ``complete_restore``; None when admitted from the root."""
+
+
+def source_options(
+    match: MatchResult, lru: DeviceLRU, cost: CacheCostModel, geometry: HostGeometry
+) -> list[SourceOption]:
+    """[s*, s_dev, root] without repeats, in fallback order (§6.2, §6.3).
+
+    Candidates whose path, image or tail another admission is still filling are skipped.
+    """
+    n = match.prompt.num_tokens
+    path = match.path
+    host_before = [0]
+    lru_before = [0]
+    usable_depth = len(path)
+    for depth, node in enumerate(path):
+        if node.device is Residency.FILLING and usable_depth == len(path):
+            usable_depth = depth
+        host_before.append(host_before[-1] + (node.device is Residency.ABSENT))
+        lru_before.append(lru_before[-1] + (node in lru))
+
+    def option(snapshot: Snapshot) -> SourceOption | None:
+        blocks = snapshot.anchor.depth + 1
+        if blocks > usable_depth or snapshot.tail_device is Residency.FILLING:
+            return None
+        tail_on_host = bool(snapshot.tail) and snapshot.tail_device is Residency.ABSENT
+        host_bytes = (host_before[blocks] + tail_on_host) * geometry.block_bytes
+        if snapshot.slot is None:
+            host_bytes += geometry.image_bytes
+        frontier = snapshot.frontier
+        return SourceOption(
+            snapshot=snapshot,
+            frontier=frontier,
+            host_bytes=host_bytes,
+            restore_pages=host_before[blocks] + tail_on_host,
+            cow_pages=1 if snapshot.tail else 0,
+            own_evictable=lru_before[blocks] + (snapshot in lru),
+            seconds=cost.restore_seconds(host_bytes) + cost.prefill_seconds(frontier, n - frontier),
+        )
+
+    usable = [o for o in map(option, reversed(match.candidates)) if o is not None]
+    options = usable[:1]
+    device = next((o for o in usable if o.host_bytes == 0), None)
+    if device is not None and device is not usable[0]:
+        options.append(device)
+    options.append(SourceOption(None, 0, 0, 0, 0, 0, cost.prefill_seconds(0, n)))
+    return options
+
+
+def choose(options: list[SourceOption]) -> SourceOption:
+    """Minimum estimated seconds; ties favour fewer transferred bytes, then fallback order."""
+    return min(options, key=lambda o: (o.seconds, o.host_bytes))
+
+
+def classify(
+    options: list[SourceOption],
+    growth_pages: GrowthPages,
+    available_pages: int,
+    capacity_pages: int,
+) -> tuple[Readiness, SourceOption | None, int]:
+    """The chosen source if it fits, else the next cheaper to materialise (§6.3).
+
+    ``available_pages`` = free + evictable; each source excludes what it would pin itself.
+    """
+    chosen = choose(options)
+    for source in options[options.index(chosen) :]:
+        need = source.restore_pages + source.cow_pages + _growth(growth_pages, source.frontier)
+        if need <= available_pages - source.own_evictable:
+            return Readiness.READY, source, need
+    root_need = _growth(growth_pages, 0)
+    if root_need > capacity_pages:
+        return Readiness.PERMANENTLY_INFEASIBLE, None, root_need
+    return Readiness.TEMPORARILY_BLOCKED, None, root_need
+
+
+def _growth(growth_pages: GrowthPages, frontier: int) -> int:
+    pages = growth_pages(frontier)
+    if pages < 0:
+        raise ValueError(f"growth_pages({frontier}) returned a negative count: {pages}")
+    return pages

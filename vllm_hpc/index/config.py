@@ -1,0 +1,24 @@
+"""Sizes and policies of one index, fixed at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.host_pool import HostGeometry
+from vllm_hpc.index.prompt import BlockHasher, xxh3_block_hash
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    device_pages: int
+    """KV pages the index accounts for (active and cached together)."""
+    geometry: HostGeometry
+    first_page_id: int = 0
+    """Lowest page id; the vLLM binding passes 1 because id 0 is its null block."""
+    snapshot_slots: int = 2
+    """D device snapshot slots (§5.4: C + 1 with a host tier, C + 2 without)."""
+    host_budget_bytes: int = 0
+    """Host slab pool size; 0 disables the host tier."""
+    cost: CacheCostModel = field(default_factory=CacheCostModel)
+    hasher: BlockHasher = xxh3_block_hash

@@ -1,0 +1,288 @@
+"""A from-scratch audit of the index (§10): rebuild every derived structure and compare.
+
+Slow (O(nodes · depth + snapshots²)) and meant for tests and debugging, like a sanity check
+after each operation sequence. Raises ``InvariantError`` naming the first broken invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.device_lru import LruEntry
+from vllm_hpc.index.device_pool import PageState
+from vllm_hpc.index.host_eviction import HostEvictor
+from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, SlabUse
+from vllm_hpc.index.lease import Lease
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.store import CacheStore
+from vllm_hpc.index.transfers import BlockWrite, Transfer
+from vllm_hpc.index.types import BLOCK_BYTES_PACKED, InvariantError, Residency, SlabId
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)
+
+
+def _ancestors(node: BlockNode) -> Iterable[BlockNode]:
+    """``node`` and every node above it, root included."""
+    current: BlockNode | None = node
+    while current is not None:
+        yield current
+        current = current.parent
+
+
+def check_invariants(store: CacheStore, leases: set[Lease], in_flight: set[Transfer]) -> None:
+    nodes = _check_tree(store)
+    snapshots = list(store.snapshots)
+    _check_snapshots(store, nodes, snapshots)
+    _check_holds(nodes, snapshots, leases, in_flight)
+    _check_liveness(store, nodes, snapshots)
+    _check_device(store, nodes, snapshots)
+    _check_host(store, nodes, snapshots)
+
+
+def _check_tree(store: CacheStore) -> list[BlockNode]:
+    """Structure and exact identity (§10.2, §10.5); returns every node, roots included."""
+    hasher = store.tree.hasher
+    nodes: list[BlockNode] = []
+    for root in store.tree.roots:
+        _expect(root.depth == -1 and root.parent is None, "malformed root")
+        _expect(bool(root.children or root.snapshots or root.held), "an idle root was kept")
+        for node in store.tree.subtree(root):
+            nodes.append(node)
+            keys = Counter((c.tokens, c.extra) for c in node.child_list())
+            _expect(all(k == 1 for k in keys.values()), f"node {node.id} has twin children")
+            for key, head in (node.children or {}).items():
+                chained: BlockNode | None = head
+                while chained is not None:
+                    _expect(chained.parent is node, f"node {chained.id} under a foreign parent")
+                    _expect(chained.lookup_hash == key, f"node {chained.id} under a wrong hash")
+                    chained = chained.next_same_hash
+            if node.is_root:
+                continue
+            parent = node.parent
+            assert parent is not None
+            _expect(node.depth == parent.depth + 1, f"node {node.id} has a wrong depth")
+            _expect(len(node.tokens) == BLOCK_BYTES_PACKED, f"node {node.id} is not 64 tokens")
+            _expect(
+                node.lookup_hash == hasher(parent.lookup_hash, node.tokens, node.extra),
+                f"node {node.id} has a stale lookup hash",
+            )
+            _expect(
+                node.device is Residency.RESIDENT or node.host is Residency.RESIDENT,
+                f"node {node.id} has no resident copy",
+            )
+            _expect(
+                (node.device_page is None) == (node.device is Residency.ABSENT)
+                and (node.host_slab is None) == (node.host is Residency.ABSENT),
+                f"node {node.id} has a location without a state or the reverse",
+            )
+            _expect(
+                node.refs == 0 or node.device is not Residency.ABSENT,
+                f"node {node.id} is on an active path without a device copy",
+            )
+    return nodes
+
+
+def _check_snapshots(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
+    """Registration, uniqueness and validity (§5.3, §10.4)."""
+    in_tree = set(nodes)
+    listed = [s for node in nodes for s in node.snapshots or ()]
+    _expect(Counter(listed) == Counter(snapshots), "anchor lists and snapshot table disagree")
+    keys = Counter((s.anchor, s.tail) for s in snapshots)
+    _expect(all(k == 1 for k in keys.values()), "two snapshots share (anchor, tail)")
+    image_slabs = store.value.geometry.image_slabs
+    for s in snapshots:
+        _expect(s.anchor in in_tree, f"snapshot {s.id} anchored outside the tree")
+        _expect(s.tail_len < 64 and len(s.tail) % 4 == 0, f"snapshot {s.id} has a bad tail")
+        _expect(
+            s.slot is not None or s.image_host is Residency.RESIDENT,
+            f"snapshot {s.id} has no resident image",
+        )
+        _expect(
+            len(s.image_slabs) == (0 if s.image_host is Residency.ABSENT else image_slabs),
+            f"snapshot {s.id} image slabs do not match its state",
+        )
+        if s.tail:
+            _expect(
+                Residency.RESIDENT in (s.tail_device, s.tail_host),
+                f"snapshot {s.id} has no resident tail",
+            )
+        _expect(
+            (s.tail_page is None) == (s.tail_device is Residency.ABSENT)
+            and (s.tail_slab is None) == (s.tail_host is Residency.ABSENT),
+            f"snapshot {s.id} has a tail location without a state or the reverse",
+        )
+        _expect(
+            bool(s.tail) or (s.tail_page is None and s.tail_slab is None),
+            f"snapshot {s.id} has tail copies but no tail",
+        )
+        _expect(
+            (s in store.host.superseded) == s.superseded,
+            f"snapshot {s.id} superseded flag and order disagree",
+        )
+        _expect(s.slot is None or store.slots.owner(s.slot) is s, f"slot of {s.id} not owned")
+
+
+def _check_holds(
+    nodes: list[BlockNode],
+    snapshots: list[Snapshot],
+    leases: set[Lease],
+    in_flight: set[Transfer],
+) -> None:
+    """Refs come from open leases, pins from in-flight transfers; both path-closed (§10.3)."""
+    refs: Counter[BlockNode] = Counter()
+    for lease in leases:
+        refs.update([lease.root, *lease.path])
+    pins: Counter[BlockNode] = Counter()
+    snapshot_pins: Counter[Snapshot] = Counter()
+    for transfer in in_flight:
+        if isinstance(transfer, BlockWrite):
+            pins.update(_ancestors(transfer.pinned))
+        else:
+            snapshot_pins[transfer.snapshot] += 1
+            pins.update(_ancestors(transfer.snapshot.anchor))
+    for node in nodes:
+        _expect(node.refs == refs[node], f"node {node.id} refs {node.refs} != {refs[node]}")
+        _expect(node.pins == pins[node], f"node {node.id} pins {node.pins} != {pins[node]}")
+        filling = Residency.FILLING in (node.device, node.host)
+        _expect(not filling or node.pins > 0, f"node {node.id} is Filling but unpinned")
+    for s in snapshots:
+        _expect(s.pins == snapshot_pins[s], f"snapshot {s.id} pins do not match transfers")
+        filling = Residency.FILLING in (s.image_host, s.tail_device, s.tail_host)
+        _expect(not filling or s.pins > 0, f"snapshot {s.id} is Filling but unpinned")
+
+
+def _check_liveness(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
+    """Path counts, ancestor links and GDSF values against a recomputation (§9.3)."""
+    live: Counter[BlockNode] = Counter()
+    retained: dict[BlockNode, list[Snapshot]] = {node: [] for node in nodes}
+    for s in snapshots:
+        for node in _ancestors(s.anchor):
+            live[node] += 1
+            if not s.superseded:
+                retained[node].append(s)
+    for node in nodes:
+        owners = retained[node]
+        _expect(
+            node.live_below == live[node]
+            and node.retained_below == len(owners)
+            and node.retained_sum == sum(s.id for s in owners),
+            f"node {node.id} liveness counts differ from a recount",
+        )
+    for s in snapshots:
+        above = [t for t in snapshots if t.covers(s)]
+        nearest = max(above, key=lambda t: t.frontier, default=None)
+        _expect(s.ancestor is nearest, f"snapshot {s.id} has a wrong ancestor link")
+        _expect(
+            s.dependents == {t for t in snapshots if t.ancestor is s},
+            f"snapshot {s.id} has wrong dependents",
+        )
+        kept = [t for t in above if not t.superseded]
+        base = max((t.frontier for t in kept), default=0)
+        exclusive = 0
+        if not s.superseded:
+            exclusive = sum(
+                1
+                for node in _ancestors(s.anchor)
+                if not node.is_root and node.host_slab is not None and retained[node] == [s]
+            )
+        value = store.value
+        size = value.own_bytes(bool(s.tail)) + exclusive * value.geometry.block_bytes
+        cost = value.saved_seconds(s.frontier, base)
+        priority = s.base_l + (1 + s.hits) * cost / size
+        _expect(
+            s.size == size and s.cost == cost and math.isclose(s.priority, priority),
+            f"snapshot {s.id} GDSF value differs from a recomputation",
+        )
+    _expect(
+        store.snapshots.top == {s for s in snapshots if s.ancestor is None},
+        "top-level snapshot set differs from a recomputation",
+    )
+    _expect(store.value.inflation >= 0.0, "L below zero")
+
+
+def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
+    """Page ownership (§10.1), the LRU membership rule (§9.1) and slot partition."""
+    owned: dict[int, PageState] = {}
+    pages: list[int] = []
+    for page, residency in [
+        *((n.device_page, n.device) for n in nodes),
+        *((s.tail_page, s.tail_device) for s in snapshots),
+    ]:
+        if page is not None:
+            pages.append(page)
+            resident = residency is Residency.RESIDENT
+            owned[page] = PageState.CACHED if resident else PageState.FILLING
+    _expect(len(pages) == len(owned), "a device page has two owners")
+    pool = store.pages
+    for state in (PageState.CACHED, PageState.FILLING):
+        expected = {p for p, s in owned.items() if s is state}
+        _expect(set(pool.pages_in(state)) == expected, f"{state.name} pages differ from owners")
+    free = pool.free_pages
+    _expect(
+        len(free) == len(set(free)) and set(free) == set(pool.pages_in(PageState.FREE)),
+        "device free stack differs from the FREE pages",
+    )
+    expected_lru: dict[LruEntry, bool] = {}
+    for node in nodes:
+        if not node.is_root and node.device is Residency.RESIDENT and not node.held:
+            expected_lru[node] = node.host is Residency.RESIDENT
+    for s in snapshots:
+        if s.tail_device is Residency.RESIDENT and s.pins == 0:
+            expected_lru[s] = s.tail_host is Residency.RESIDENT
+    order = store.lru.order()
+    _expect(len(order) == len(expected_lru), "device LRU size differs from the rule")
+    for entry in order:
+        _expect(
+            entry in expected_lru and store.lru.is_backed(entry) == expected_lru[entry],
+            "device LRU membership or list differs from the rule",
+        )
+    slots = store.slots
+    owners = {s.slot for s in snapshots if s.slot is not None}
+    staging = slots.staging
+    free_slots = slots.free_slots
+    _expect(
+        len(free_slots) == len(set(free_slots))
+        and len(owners) + len(staging) + len(free_slots) == slots.capacity
+        and not (owners & staging or owners & set(free_slots) or staging & set(free_slots)),
+        "device snapshot slots are not partitioned into free, staging and owned",
+    )
+
+
+def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
+    """Slab ownership (§10.1), chunk geometry (§5.4) and the dead-KV set (§9.3)."""
+    expected: dict[int, SlabUse] = {}
+    slabs: list[int] = []
+    for node in nodes:
+        if node.host_slab is not None:
+            slabs.append(node.host_slab)
+            expected[node.host_slab] = SlabUse.NODE
+    for s in snapshots:
+        for slab in s.image_slabs:
+            slabs.append(slab)
+            expected[slab] = SlabUse.IMAGE
+        if s.tail_slab is not None:
+            slabs.append(s.tail_slab)
+            expected[s.tail_slab] = SlabUse.TAIL
+    _expect(len(slabs) == len(expected), "a host slab has two owners")
+    pool = store.slabs
+    free = pool.free_slabs
+    _expect(len(free) == len(set(free)), "host free list holds a slab twice")
+    _expect(len(free) + len(expected) == pool.capacity, "free + used slabs != capacity")
+    for index in range(pool.capacity):
+        slab = SlabId(index)
+        want = expected.get(slab, SlabUse.FREE)
+        _expect(pool.use(slab) is want, f"slab {slab} is {pool.use(slab).name}, not {want.name}")
+    slab_bytes = pool.geometry.slab_bytes
+    _expect(sum(pool.chunk_slabs) == pool.capacity, "chunks do not cover the pool")
+    _expect(
+        all(count * slab_bytes <= CHUNK_LIMIT_BYTES for count in pool.chunk_slabs),
+        "a chunk exceeds 4 GiB",
+    )
+    dead = {n for n in nodes if not n.is_root and HostEvictor.is_dead(n)}
+    _expect(set(store.host.dead) == dead, "dead-KV set differs from a recomputation")

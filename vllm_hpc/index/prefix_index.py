@@ -1,0 +1,425 @@
+"""PrefixIndex: the facade a scheduler-side KV-cache manager drives (§4, §6, §7, §9).
+
+The manager is the only mutator and calls from one thread. Operations that need bytes moved
+return a plan from ``transfers`` and expect the matching ``complete_*`` call once the copy has
+landed. Caller mistakes raise ``ValueError``; "no room now" is a ``None`` return.
+
+A request's life::
+
+    prompt = index.prepare_prompt(tokens, cache_salt=salt)      # off the hot path
+    quote = index.quote(index.match(prompt), growth_pages)      # READY / BLOCKED / INFEASIBLE
+    admission = index.acquire(quote)                            # pins, restore plan
+    ... run admission.restore, then index.complete_restore(admission.restore)
+    ... per full block: index.commit_block(lease, tokens, page)
+    ... per tap: slot = index.take_snapshot_slot(...); copy state; index.publish_snapshot(...)
+    write = index.release(lease)                                # write-through plan
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from vllm_hpc.index import admission as arithmetic
+from vllm_hpc.index.admission import Admission, AdmissionQuote, GrowthPages, MatchResult
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.config import IndexConfig
+from vllm_hpc.index.device_pool import PageState
+from vllm_hpc.index.host_pool import SlabUse
+from vllm_hpc.index.invariants import check_invariants
+from vllm_hpc.index.lease import Lease
+from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
+from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.stats import CacheStats
+from vllm_hpc.index.store import CacheStore
+from vllm_hpc.index.supersession import may_supersede
+from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Restore, SnapshotWrite, Transfer
+from vllm_hpc.index.types import (
+    BLOCK_BYTES_PACKED,
+    BLOCK_TOKENS,
+    PageId,
+    Residency,
+    SlotId,
+    SnapshotKind,
+)
+
+
+class StaleQuoteError(ValueError):
+    """The cache changed between ``quote`` and ``acquire``: quote again."""
+
+
+class PrefixIndex:
+    def __init__(self, config: IndexConfig) -> None:
+        self.config = config
+        self.stats = CacheStats()
+        self.store = CacheStore(config, self.stats)
+        """Internal state, exposed for tests and diagnostics: mutate only through this facade."""
+        self._leases: set[Lease] = set()
+        self._in_flight: set[Transfer] = set()
+
+    # -- lookup and admission ---------------------------------------------------------------
+
+    def prepare_prompt(
+        self,
+        tokens: Iterable[int],
+        *,
+        media: Sequence[MediaItem] = (),
+        cache_salt: str | None = None,
+    ) -> PreparedPrompt:
+        """Pack the prompt and hash its blocks with this index's hasher (done once per prompt)."""
+        return prepare_prompt(
+            tokens, hasher=self.store.tree.hasher, media=media, cache_salt=cache_salt
+        )
+
+    def match(self, prompt: PreparedPrompt) -> MatchResult:
+        """Matched path and candidate snapshots (F <= n - 1, not inside media). Read-only."""
+        n = prompt.num_tokens
+        root, path = self.store.tree.match_path(prompt, max(n - 1, 0) // BLOCK_TOKENS)
+        candidates: list[Snapshot] = []
+        if root is not None:
+            for node in (root, *path):
+                for snapshot in node.snapshots or ():
+                    frontier = snapshot.frontier
+                    if (
+                        frontier <= n - 1
+                        and prompt.token_range(node.end, frontier) == snapshot.tail
+                        and not prompt.splits_media(frontier)
+                    ):
+                        candidates.append(snapshot)
+        candidates.sort(key=lambda s: s.frontier)
+        return MatchResult(prompt, root, path, candidates)
+
+    def quote(self, match: MatchResult, growth_pages: GrowthPages) -> AdmissionQuote:
+        """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only."""
+        store = self.store
+        options = arithmetic.source_options(
+            match, store.lru, store.value.cost, store.value.geometry
+        )
+        readiness, source, need = arithmetic.classify(
+            options, growth_pages, self.available_pages, store.pages.capacity
+        )
+        return AdmissionQuote(readiness, source, need, match, store.tick)
+
+    def acquire(self, quote: AdmissionQuote) -> Admission:
+        """Pin the quoted source's path and snapshot and reserve its restore destinations."""
+        store = self.store
+        source = quote.source
+        if source is None:
+            raise ValueError(f"cannot acquire a {quote.readiness.value} quote")
+        if quote.epoch != store.tick:
+            raise StaleQuoteError(f"quote of tick {quote.epoch}, cache at tick {store.tick}")
+        store.advance()
+        lease = Lease(store.tree.root_for(quote.match.prompt.cache_salt))
+        store.ref(lease.root, 1)
+        self._leases.add(lease)
+        snapshot = source.snapshot
+        if snapshot is None:
+            self.stats.misses += 1
+            return Admission(lease, None, 0, None)
+        for node in quote.match.path[: snapshot.anchor.depth + 1]:
+            store.ref(node, 1)
+            lease.path.append(node)
+        store.pin_snapshot(snapshot, 1)
+        room = store.make_device_room(source.restore_pages)
+        assert room, "a fresh READY quote must fit"
+        blocks = []
+        for node in lease.path:
+            if node.device is Residency.ABSENT:
+                assert node.host_slab is not None
+                (page,) = store.pages.allocate(1, PageState.FILLING)
+                store.attach_device(node, page, Residency.FILLING)
+                blocks.append(BlockCopy(node, page, node.host_slab))
+        tail = None
+        if snapshot.tail and snapshot.tail_device is Residency.ABSENT:
+            assert snapshot.tail_slab is not None
+            (page,) = store.pages.allocate(1, PageState.FILLING)
+            snapshot.tail_page, snapshot.tail_device = page, Residency.FILLING
+            tail = (snapshot.tail_slab, page)
+        store.touch(snapshot, hit=True)
+        lease.resumed_from = snapshot
+        lease.resumed_from_endpoint = snapshot.kind is SnapshotKind.ENDPOINT
+        lease.previous_frontier = snapshot.frontier
+        restore = Restore(
+            snapshot=snapshot,
+            blocks=tuple(blocks),
+            tail=tail,
+            image_slot=snapshot.slot,
+            image_slabs=snapshot.image_slabs if snapshot.slot is None else (),
+            tail_page=snapshot.tail_page,
+        )
+        self._in_flight.add(restore)
+        if source.host_bytes:
+            self.stats.hits_host += 1
+        else:
+            self.stats.hits_device += 1
+        return Admission(lease, snapshot, snapshot.frontier, restore)
+
+    def complete_restore(self, restore: Restore) -> None:
+        """The restore's copies landed: destinations become resident, its pins drop."""
+        self._finish(restore)
+        store = self.store
+        for copy in restore.blocks:
+            store.pages.set_state(copy.page, PageState.FILLING, PageState.CACHED)
+            copy.node.device = Residency.RESIDENT
+        snapshot = restore.snapshot
+        if restore.tail is not None:
+            store.pages.set_state(restore.tail[1], PageState.FILLING, PageState.CACHED)
+            snapshot.tail_device = Residency.RESIDENT
+        store.pin_snapshot(snapshot, -1)
+
+    # -- active pages -----------------------------------------------------------------------
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus evictable cached ones: what active sequences may claim (§9.5)."""
+        return self.store.pages.num_free + len(self.store.lru)
+
+    def allocate_pages(self, count: int) -> list[PageId] | None:
+        """``count`` private pages for a sequence, evicting cache as needed; None if no room."""
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} pages")
+        store = self.store
+        store.advance()
+        if not store.make_device_room(count):
+            return None
+        return store.pages.allocate(count, PageState.ACTIVE)
+
+    def free_pages(self, pages: Iterable[PageId]) -> None:
+        """Return a sequence's private (duplicate, growth) pages."""
+        pages = list(pages)
+        for page in pages:
+            if self.store.pages.state(page) is not PageState.ACTIVE:
+                raise ValueError(f"page {page} is not a sequence's private page")
+        self.store.advance()
+        self.store.pages.free(pages)
+
+    # -- prefill and decode -----------------------------------------------------------------
+
+    def commit_block(
+        self, lease: Lease, tokens: Sequence[int] | bytes, page: PageId, extra: int = 0
+    ) -> CommitResult:
+        """The sequence completed its next block in ``page`` (§7.6); the node stays ref'd."""
+        self._check_lease(lease)
+        packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        if len(packed) != BLOCK_BYTES_PACKED:
+            raise ValueError(f"a block holds {BLOCK_TOKENS} tokens, got {len(packed) // 4}")
+        if not 0 <= extra < 1 << 64:
+            raise ValueError(f"extra key must be an unsigned 64-bit value, got {extra}")
+        store = self.store
+        if store.pages.state(page) is not PageState.ACTIVE:
+            raise ValueError(f"page {page} is not a sequence's private page")
+        store.advance()
+        node = store.tree.child(lease.parent, packed, extra)
+        if node is None:
+            node = store.tree.insert(lease.parent, packed, extra)
+            outcome = CommitOutcome.INSERTED
+            self.stats.blocks_inserted += 1
+        elif node.device is Residency.ABSENT:
+            outcome = CommitOutcome.ADOPTED
+            self.stats.blocks_adopted += 1
+        else:
+            outcome = CommitOutcome.DUPLICATE
+            self.stats.blocks_duplicate += 1
+        if outcome is not CommitOutcome.DUPLICATE:
+            store.pages.set_state(page, PageState.ACTIVE, PageState.CACHED)
+            store.attach_device(node, page, Residency.RESIDENT)
+        store.ref(node, 1)
+        lease.path.append(node)
+        return CommitResult(node, outcome)
+
+    def take_snapshot_slot(self, lease: Lease, kind: SnapshotKind, frontier: int) -> SlotId | None:
+        """A device slot to capture a tap or endpoint at ``frontier`` into (§9.2), or None to
+        skip it. Supersedes the lineage's predecessors first, so the slot can come from them."""
+        self._check_lease(lease)
+        if frontier < 1:
+            raise ValueError(f"a snapshot frontier must be positive, got {frontier}")
+        store = self.store
+        store.advance()
+        self._supersede_lineage(lease, kind, frontier)
+        priority = store.value.estimate(
+            frontier, lease.previous_frontier, frontier % BLOCK_TOKENS != 0
+        )
+        slot = store.take_slot(priority)
+        if slot is None:
+            self.stats.taps_skipped_no_slot += 1
+        return slot
+
+    def return_snapshot_slot(self, slot: SlotId) -> None:
+        """Give back a staged slot whose capture will not be published."""
+        if not self.store.slots.is_staging(slot):
+            raise ValueError(f"slot {slot} is not staged")
+        self.store.advance()
+        self.store.slots.release(slot)
+
+    def publish_snapshot(
+        self,
+        lease: Lease,
+        *,
+        kind: SnapshotKind,
+        frontier: int,
+        tail_tokens: Sequence[int] | bytes,
+        slot: SlotId,
+        tail_page: PageId | None = None,
+    ) -> Publication:
+        """Publish the state captured in ``slot`` at ``frontier`` (§7.4, §7.7).
+
+        The blocks below the frontier must be committed. ``tail_tokens`` are the tokens after the
+        last full block, and ``tail_page`` (required iff there are any) holds their KV. The index
+        owns the slot and tail page afterwards, also when the publication is a duplicate.
+        """
+        self._check_lease(lease)
+        tail = tail_tokens if isinstance(tail_tokens, bytes) else pack_tokens(tail_tokens)
+        store = self.store
+        blocks, tail_len = divmod(frontier, BLOCK_TOKENS)
+        if frontier < 1 or len(tail) != tail_len * 4:
+            raise ValueError(f"frontier {frontier} needs {tail_len} tail tokens")
+        if blocks > len(lease.path):
+            raise ValueError(f"frontier {frontier} is past the lease's committed blocks")
+        if not store.slots.is_staging(slot):
+            raise ValueError(f"slot {slot} was not taken with take_snapshot_slot")
+        if (tail_page is None) != (tail_len == 0):
+            raise ValueError("a tail page is required exactly when the frontier has a tail")
+        if tail_page is not None and store.pages.state(tail_page) is not PageState.ACTIVE:
+            raise ValueError(f"tail page {tail_page} is not a sequence's private page")
+        store.advance()
+        self._supersede_lineage(lease, kind, frontier)
+        anchor = lease.path[blocks - 1] if blocks else lease.root
+        existing = store.snapshots.find(anchor, tail)
+        if existing is None:
+            snapshot = store.add_snapshot(anchor, tail, kind, slot, tail_page)
+            write = self._write_snapshot(snapshot)
+        else:
+            store.slots.release(slot)
+            if tail_page is not None:
+                store.pages.free((tail_page,))
+            store.touch(existing, hit=False)
+            self.stats.snapshots_duplicate += 1
+            snapshot, write = existing, None
+        if kind is not SnapshotKind.ENDPOINT:
+            lease.last_tap = snapshot
+        lease.previous_frontier = frontier
+        return Publication(snapshot, existing is not None, write)
+
+    def complete_snapshot_write(self, write: SnapshotWrite) -> None:
+        self._finish(write)
+        snapshot = write.snapshot
+        snapshot.image_host = Residency.RESIDENT
+        if write.tail_slab is not None:
+            snapshot.tail_host = Residency.RESIDENT
+        self.store.pin_snapshot(snapshot, -1)
+
+    # -- release ----------------------------------------------------------------------------
+
+    def release(self, lease: Lease) -> BlockWrite | None:
+        """Drop the lease's refs, deepest block first into the device LRU (§7.7), and plan the
+        host write-through of its device-only blocks (§7.6); None when nothing is written."""
+        self._check_lease(lease)
+        store = self.store
+        store.advance()
+        lease.released = True
+        self._leases.remove(lease)
+        write = self._write_blocks(lease.path)
+        for node in reversed(lease.path):
+            store.ref(node, -1)
+        store.ref(lease.root, -1)
+        return write
+
+    def complete_block_write(self, write: BlockWrite) -> None:
+        self._finish(write)
+        for copy in write.copies:
+            copy.node.host = Residency.RESIDENT
+        self.store.pin_path(write.pinned, -1)
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Empty the cache; refused (False) while any sequence, capture or transfer is open."""
+        store = self.store
+        if self._leases or self._in_flight or store.slots.staging:
+            return False
+        if store.pages.pages_in(PageState.ACTIVE):
+            return False
+        self.store = CacheStore(self.config, self.stats)
+        return True
+
+    def check_invariants(self) -> None:
+        """Rebuild every derived structure from scratch and compare (raises InvariantError)."""
+        check_invariants(self.store, self._leases, self._in_flight)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_lease(self, lease: Lease) -> None:
+        if lease.released:
+            raise ValueError("the lease was already released")
+
+    def _finish(self, transfer: Transfer) -> None:
+        if transfer not in self._in_flight:
+            raise ValueError("unknown or already completed transfer")
+        self._in_flight.remove(transfer)
+        self.store.advance()
+
+    def _supersede_lineage(self, lease: Lease, kind: SnapshotKind, frontier: int) -> None:
+        """The lineage moves past its resumed snapshot, and a tap past its previous tap; an
+        endpoint leaves the last tap retained for a next turn that re-renders the reply."""
+        predecessors = [lease.resumed_from]
+        if kind is not SnapshotKind.ENDPOINT:
+            predecessors.append(lease.last_tap)
+        for previous in predecessors:
+            if (
+                previous is not None
+                and previous in self.store.snapshots
+                and previous.frontier < frontier
+                and may_supersede(previous)
+            ):
+                self.store.set_superseded(previous, True)
+        if lease.resumed_from is not None and lease.resumed_from.frontier < frontier:
+            lease.resumed_from = None
+
+    def _write_snapshot(self, snapshot: Snapshot) -> SnapshotWrite | None:
+        """Plan the image and tail write-through, evicting only what is worth no more (§9.3)."""
+        store = self.store
+        if not store.slabs.enabled:
+            return None
+        geometry = store.value.geometry
+        count = geometry.snapshot_slabs(bool(snapshot.tail))
+        if not store.make_host_room(count, limit=snapshot.priority):
+            self.stats.host_writes_declined += 1
+            return None
+        assert snapshot in store.snapshots and snapshot.slot is not None
+        image = store.slabs.allocate(geometry.image_slabs, SlabUse.IMAGE)
+        assert image is not None
+        snapshot.image_slabs, snapshot.image_host = tuple(image), Residency.FILLING
+        tail_slab = None
+        if snapshot.tail:
+            tail = store.slabs.allocate(1, SlabUse.TAIL)
+            assert tail is not None
+            tail_slab = tail[0]
+            snapshot.tail_slab, snapshot.tail_host = tail_slab, Residency.FILLING
+        store.pin_snapshot(snapshot, 1)
+        write = SnapshotWrite(snapshot, snapshot.slot, tuple(image), snapshot.tail_page, tail_slab)
+        self._in_flight.add(write)
+        return write
+
+    def _write_blocks(self, path: list[BlockNode]) -> BlockWrite | None:
+        """Plan write-through of the device-only blocks, shallowest first when room is short."""
+        store = self.store
+        wanted = [node for node in path if node.host is Residency.ABSENT]
+        if not store.slabs.enabled or not wanted:
+            return None
+        store.make_host_room(len(wanted))
+        todo = wanted[: store.slabs.num_free]
+        if len(todo) < len(wanted):
+            self.stats.host_writes_declined += 1
+        if not todo:
+            return None
+        slabs = store.slabs.allocate(len(todo), SlabUse.NODE)
+        assert slabs is not None
+        copies = []
+        for node, slab in zip(todo, slabs, strict=True):
+            assert node.device is Residency.RESIDENT and node.device_page is not None
+            store.attach_host(node, slab)
+            copies.append(BlockCopy(node, node.device_page, slab))
+        store.pin_path(todo[-1], 1)
+        write = BlockWrite(tuple(copies), todo[-1])
+        self._in_flight.add(write)
+        return write

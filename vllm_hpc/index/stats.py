@@ -1,0 +1,35 @@
+"""Counters for monitoring and tests; never read by any policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CacheStats:
+    # Admission sources.
+    hits_device: int = 0
+    """Admissions from a snapshot with nothing to copy from the host."""
+    hits_host: int = 0
+    """Admissions from a snapshot that restore something from the host."""
+    misses: int = 0
+    """Admissions from the root."""
+    # Block commits.
+    blocks_inserted: int = 0
+    blocks_duplicate: int = 0
+    blocks_adopted: int = 0
+    # Snapshots.
+    snapshots_published: int = 0
+    snapshots_duplicate: int = 0
+    taps_skipped_no_slot: int = 0
+    host_writes_declined: int = 0
+    """Block or snapshot writes that found no host room (they stay device-only)."""
+    # Evictions.
+    device_evictions_backed: int = 0
+    device_evictions_unbacked: int = 0
+    slot_evictions: int = 0
+    host_dead_reclaimed: int = 0
+    host_superseded_evicted: int = 0
+    host_gdsf_evicted: int = 0
+    nodes_deleted: int = 0
+    snapshots_deleted: int = 0

@@ -1,0 +1,308 @@
+"""The one owner of every copy, pin and derived set of the index (§5.2-§5.4, §9.4).
+
+Every change of residency, refs or pins goes through here, so the derived structures (device
+LRU, dead-KV set, superseded order, GDSF values) are resynced at the single place the state
+changes. Copies are bookkeeping only: dropping one frees an id, it never waits for data.
+"""
+
+from __future__ import annotations
+
+from vllm_hpc.index.block_tree import BlockNode, BlockTree
+from vllm_hpc.index.config import IndexConfig
+from vllm_hpc.index.device_lru import DeviceLRU
+from vllm_hpc.index.device_pool import DevicePagePool, PageState
+from vllm_hpc.index.gdsf import GdsfValuation
+from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
+from vllm_hpc.index.host_pool import HostSlabPool
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule
+from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
+from vllm_hpc.index.stats import CacheStats
+from vllm_hpc.index.types import (
+    PageId,
+    Residency,
+    SlabId,
+    SlotId,
+    SnapshotId,
+    SnapshotKind,
+    Tick,
+)
+
+
+class CacheStore:
+    def __init__(self, config: IndexConfig, stats: CacheStats) -> None:
+        self.tree = BlockTree(config.hasher)
+        self.snapshots = SnapshotTable()
+        self.pages = DevicePagePool(config.device_pages, config.first_page_id)
+        self.lru = DeviceLRU()
+        self.slots = DeviceSnapshotSlots(config.snapshot_slots)
+        self.slabs = HostSlabPool(config.host_budget_bytes, config.geometry)
+        self.host = HostEvictor()
+        self.value = GdsfValuation(config.cost, config.geometry)
+        self.stats = stats
+        self.tick = Tick(0)
+        """Logical clock: advanced once per mutating call; recency and quote epochs use it."""
+
+    def advance(self) -> None:
+        self.tick = Tick(self.tick + 1)
+
+    # -- derived-set membership -------------------------------------------------------------
+
+    def sync_node(self, node: BlockNode) -> None:
+        """LRU iff device-resident and unheld (backed iff host-resident); dead set per §9.3."""
+        if node.is_root:
+            self.tree.discard_root_if_idle(node)
+            return
+        if node.device is Residency.RESIDENT and not node.held:
+            self.lru.place(node, backed=node.host is Residency.RESIDENT)
+        else:
+            self.lru.remove(node)
+        self.host.sync_dead(node)
+
+    def sync_tail(self, snapshot: Snapshot) -> None:
+        if snapshot.tail_device is Residency.RESIDENT and snapshot.pins == 0:
+            self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT)
+        else:
+            self.lru.remove(snapshot)
+
+    def _apply(self, change: PathChange, *touched: Snapshot) -> None:
+        for node in change.crossed:
+            self.host.sync_dead(node)
+        owner = () if change.owner is None else (change.owner,)
+        for snapshot in (*change.relinked, *owner, *touched):
+            if snapshot in self.snapshots:
+                self.value.revalue(snapshot)
+
+    def _resize_owner(self, node: BlockNode, delta_bytes: int) -> None:
+        """A node's host copy came or went: its exclusive owner (if any) changes size."""
+        if node.retained_below == 1:
+            owner = self.snapshots.by_id[SnapshotId(node.retained_sum)]
+            self.value.resize(owner, delta_bytes)
+
+    # -- refs and pins (path-closed) --------------------------------------------------------
+
+    def ref(self, node: BlockNode, delta: int) -> None:
+        node.refs += delta
+        assert node.refs >= 0, "ref count below zero"
+        self.sync_node(node)
+
+    def pin_path(self, node: BlockNode, delta: int) -> None:
+        """Pin (or unpin) ``node`` and every ancestor: a transfer's sources and destinations."""
+        current: BlockNode | None = node
+        while current is not None:
+            current.pins += delta
+            assert current.pins >= 0, "pin count below zero"
+            self.sync_node(current)
+            current = current.parent
+
+    def pin_snapshot(self, snapshot: Snapshot, delta: int) -> None:
+        snapshot.pins += delta
+        assert snapshot.pins >= 0, "snapshot pin count below zero"
+        self.pin_path(snapshot.anchor, delta)
+        self.sync_tail(snapshot)
+
+    # -- node copies ------------------------------------------------------------------------
+
+    def attach_device(self, node: BlockNode, page: PageId, state: Residency) -> None:
+        node.device_page = page
+        node.device = state
+        self.sync_node(node)
+
+    def attach_host(self, node: BlockNode, slab: SlabId) -> None:
+        """A write-through destination: Filling until ``complete_host``."""
+        node.host_slab = slab
+        node.host = Residency.FILLING
+        self._resize_owner(node, self.value.geometry.block_bytes)
+
+    def drop_node_device(self, node: BlockNode) -> None:
+        assert not node.held and node.device is Residency.RESIDENT and node.device_page is not None
+        if node.host is not Residency.RESIDENT:
+            self.delete_subtree(node)
+            return
+        self.pages.free((node.device_page,))
+        node.device_page = None
+        node.device = Residency.ABSENT
+        self.sync_node(node)
+
+    def drop_node_host(self, node: BlockNode) -> None:
+        assert not node.held and node.host is Residency.RESIDENT and node.host_slab is not None
+        if node.device is not Residency.RESIDENT:
+            self.delete_subtree(node)
+            return
+        self.slabs.free((node.host_slab,))
+        self._resize_owner(node, -self.value.geometry.block_bytes)
+        node.host_slab = None
+        node.host = Residency.ABSENT
+        self.sync_node(node)
+
+    def delete_subtree(self, top: BlockNode) -> None:
+        """§9.4: ``top`` lost its last copy; delete it, its subtree and their snapshots."""
+        for node in self.tree.subtree(top):
+            assert not node.held, "deleting a held node"
+            for snapshot in list(node.snapshots or ()):
+                self.delete_snapshot(snapshot)
+            assert node.retained_below == 0
+            if node.device_page is not None:
+                self.pages.free((node.device_page,))
+                self.lru.remove(node)
+            if node.host_slab is not None:
+                self.slabs.free((node.host_slab,))
+                self.host.dead.pop(node, None)
+            node.device_page, node.device = None, Residency.ABSENT
+            node.host_slab, node.host = None, Residency.ABSENT
+            self.tree.remove_leaf(node)
+            self.stats.nodes_deleted += 1
+
+    # -- snapshot copies --------------------------------------------------------------------
+
+    def add_snapshot(
+        self,
+        anchor: BlockNode,
+        tail: bytes,
+        kind: SnapshotKind,
+        slot: SlotId,
+        tail_page: PageId | None,
+    ) -> Snapshot:
+        snapshot = Snapshot(
+            self.snapshots.new_id(), kind, anchor, tail, self.tick, slot=slot, last_hit=self.tick
+        )
+        self.slots.assign(slot, snapshot)
+        if tail_page is not None:
+            self.pages.set_state(tail_page, PageState.ACTIVE, PageState.CACHED)
+            snapshot.tail_page, snapshot.tail_device = tail_page, Residency.RESIDENT
+        self.value.stamp(snapshot)
+        self._apply(self.snapshots.add(snapshot), snapshot)
+        self.sync_tail(snapshot)
+        self.stats.snapshots_published += 1
+        return snapshot
+
+    def delete_snapshot(self, snapshot: Snapshot) -> None:
+        assert snapshot.pins == 0, "deleting a pinned snapshot"
+        if snapshot.slot is not None:
+            self.slots.release(snapshot.slot)
+            snapshot.slot = None
+        if snapshot.tail_page is not None:
+            self.pages.free((snapshot.tail_page,))
+            snapshot.tail_page, snapshot.tail_device = None, Residency.ABSENT
+        self._free_snapshot_host(snapshot)
+        self.lru.remove(snapshot)
+        self.host.superseded.pop(snapshot, None)
+        self._apply(self.snapshots.remove(snapshot))
+        if snapshot.anchor.is_root:
+            self.tree.discard_root_if_idle(snapshot.anchor)
+        self.stats.snapshots_deleted += 1
+
+    def _free_snapshot_host(self, snapshot: Snapshot) -> None:
+        self.slabs.free(snapshot.image_slabs)
+        snapshot.image_slabs, snapshot.image_host = (), Residency.ABSENT
+        if snapshot.tail_slab is not None:
+            self.slabs.free((snapshot.tail_slab,))
+            snapshot.tail_slab, snapshot.tail_host = None, Residency.ABSENT
+
+    def drop_snapshot_host(self, snapshot: Snapshot) -> None:
+        """Give up the host copies; a snapshot not complete on device is then lost."""
+        if not snapshot.complete_on_device:
+            self.delete_snapshot(snapshot)
+            return
+        self._free_snapshot_host(snapshot)
+        self.sync_tail(snapshot)
+
+    def drop_snapshot_image_device(self, snapshot: Snapshot) -> None:
+        assert snapshot.slot is not None
+        if snapshot.image_host is not Residency.RESIDENT:
+            self.delete_snapshot(snapshot)
+            return
+        self.slots.release(snapshot.slot)
+        snapshot.slot = None
+
+    def drop_snapshot_tail_device(self, snapshot: Snapshot) -> None:
+        assert snapshot.tail_page is not None
+        if snapshot.tail_host is not Residency.RESIDENT:
+            self.delete_snapshot(snapshot)
+            return
+        self.pages.free((snapshot.tail_page,))
+        snapshot.tail_page, snapshot.tail_device = None, Residency.ABSENT
+        self.sync_tail(snapshot)
+
+    # -- supersession and hits --------------------------------------------------------------
+
+    def set_superseded(self, snapshot: Snapshot, superseded: bool) -> None:
+        if snapshot.superseded == superseded:
+            return
+        change = self.snapshots.set_superseded(snapshot, superseded)
+        if superseded:
+            snapshot.superseded_at = self.tick
+            self.host.superseded[snapshot] = None
+        else:
+            del self.host.superseded[snapshot]
+        self._apply(change, snapshot)
+
+    def touch(self, snapshot: Snapshot, hit: bool) -> None:
+        """A hit (or a duplicate publication) refreshes recency and retains the snapshot."""
+        snapshot.hits += 1 if hit else 0
+        snapshot.last_hit = self.tick
+        self.value.stamp(snapshot)
+        if snapshot.superseded:
+            self.set_superseded(snapshot, False)
+        else:
+            self.value.revalue(snapshot)
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def make_device_room(self, count: int) -> bool:
+        """Evict from the device LRU until ``count`` pages are free, or return False at once.
+
+        Exact arithmetic: every LRU entry owns exactly one page (§6.3).
+        """
+        if self.pages.num_free + len(self.lru) < count:
+            return False
+        while self.pages.num_free < count:
+            entry = self.lru.victim()
+            assert entry is not None
+            if self.lru.is_backed(entry):
+                self.stats.device_evictions_backed += 1
+            else:
+                self.stats.device_evictions_unbacked += 1
+            if isinstance(entry, Snapshot):
+                self.drop_snapshot_tail_device(entry)
+            else:
+                self.drop_node_device(entry)
+        return True
+
+    def make_host_room(self, count: int, limit: float | None = None) -> bool:
+        """Evict from the host tier (§9.3) until ``count`` slabs are free.
+
+        Returns False when nothing more may go; what was evicted stays evicted.
+        """
+        while self.slabs.num_free < count:
+            victim = self.host.next_victim(self.snapshots, limit)
+            if victim is None:
+                return False
+            match victim:
+                case DeadBlock(node):
+                    self.stats.host_dead_reclaimed += 1
+                    self.drop_node_host(node)
+                case StaleSnapshot(snapshot):
+                    self.stats.host_superseded_evicted += 1
+                    self.delete_snapshot(snapshot)
+                case ValuedSnapshot(snapshot):
+                    self.stats.host_gdsf_evicted += 1
+                    self.value.inflate(snapshot.priority)
+                    self.drop_snapshot_host(snapshot)
+        return True
+
+    def take_slot(self, new_priority: float) -> SlotId | None:
+        """A device snapshot slot by the §9.2 order, staged for a capture; None to skip."""
+        choice = self.slots.choose(new_priority)
+        if choice is None:
+            return None
+        victim = choice.victim
+        if victim is not None:
+            self.stats.slot_evictions += 1
+            if choice.rule is SlotRule.DEVICE_ONLY:
+                self.value.inflate(victim.priority)
+                self.delete_snapshot(victim)
+            else:
+                self.drop_snapshot_image_device(victim)
+        self.slots.stage(choice.slot)
+        return choice.slot

@@ -1,0 +1,274 @@
+"""Where a prefill captures snapshots ("taps", §7.1).
+
+Candidates in priority order::
+
+    1 explicit breakpoint       exact     Boundary   the client names the reuse point
+    2 generation opener         exact     Tap        next turn re-renders history after it
+    3 end of tools / system     exact     Boundary   new sessions share the preamble
+      (protocol-automatic marker: priority 3, exact, Tap)
+    4 prompt tail n - 1         flexible  Tap        retry of the same prompt
+    5 ladder n - G·2^k          flexible  Tap        edits deep in the history
+    6 every chunk boundary      flexible  Tap        only with ``dense_flexible``
+
+Exact taps split a prefill chunk at their position; flexible ones are realized at a chunk
+boundary at no extra forward pass (``realize``). A position need not be a multiple of 64: a tap
+inside a block publishes with a tail. The plan is a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from vllm_hpc.index.prompt import MediaItem
+from vllm_hpc.index.types import SnapshotKind
+
+
+class TapSource(Enum):
+    EXPLICIT = 1
+    OPENER = 2
+    STRUCTURAL = 3
+    AUTOMATIC = 4
+    TAIL = 5
+    LADDER = 6
+    CHUNK = 7
+
+    @property
+    def priority(self) -> int:
+        """1 is the most important; structural and automatic markers share priority 3."""
+        return _PRIORITY[self]
+
+    @property
+    def exact(self) -> bool:
+        return self in _EXACT
+
+    @property
+    def boundary(self) -> bool:
+        """Published as a Boundary snapshot, which conversations may share (§9.3)."""
+        return self in (TapSource.EXPLICIT, TapSource.STRUCTURAL)
+
+
+_PRIORITY = {
+    TapSource.EXPLICIT: 1,
+    TapSource.OPENER: 2,
+    TapSource.STRUCTURAL: 3,
+    TapSource.AUTOMATIC: 3,
+    TapSource.TAIL: 4,
+    TapSource.LADDER: 5,
+    TapSource.CHUNK: 6,
+}
+_EXACT = frozenset(
+    {TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC}
+)
+_SEMANTIC = frozenset({TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC})
+
+
+@dataclass(frozen=True, slots=True)
+class TapHint:
+    """A semantic position from the frontend: a breakpoint, the opener or a structural end."""
+
+    position: int
+    source: TapSource
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTap:
+    position: int
+    source: TapSource
+    kind: SnapshotKind
+    """TAP or BOUNDARY (a semantic cluster is Boundary if any member was)."""
+
+    @property
+    def exact(self) -> bool:
+        return self.source.exact
+
+
+@dataclass(frozen=True, slots=True)
+class TapPolicy:
+    max_new_taps: int = 8
+    ladder_tokens: int = 4096
+    """G: ladder rungs at n - G·2^k."""
+    min_gap_tokens: int = 1024
+    """Ladder rungs keep this distance from every other tap, snapshot and the base."""
+    proximity_tokens: int = 64
+    """A non-explicit candidate this close after another tap is redundant."""
+    chunk_tokens: int = 2048
+    dense_flexible: bool = False
+    """Also tap every chunk boundary (lowest priority): denser reuse when memory allows."""
+
+    @classmethod
+    def for_engine(
+        cls, chunk_tokens: int, host_tier: bool, *, dense_flexible: bool = False
+    ) -> TapPolicy:
+        """The §14.2 defaults for a prefill chunk size and host tier presence."""
+        return cls(
+            max_new_taps=8 if host_tier else 2,
+            ladder_tokens=max(4096, 2 * chunk_tokens),
+            min_gap_tokens=max(1024, chunk_tokens),
+            chunk_tokens=chunk_tokens,
+            dense_flexible=dense_flexible,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TapRequest:
+    num_tokens: int
+    base: int
+    """F_s: the frontier the request resumes from; taps lie in (base, n - 1]."""
+    hints: Sequence[TapHint] = ()
+    message_boundaries: Sequence[int] = ()
+    existing: Sequence[int] = ()
+    """Frontiers of snapshots already on the prompt's path (``MatchResult.frontiers``)."""
+    media: Sequence[MediaItem] = ()
+    resumed_from_endpoint: bool = False
+
+
+class TapPlanner:
+    def __init__(self, policy: TapPolicy) -> None:
+        if policy.proximity_tokens < 0 or policy.ladder_tokens <= 0 or policy.chunk_tokens <= 0:
+            raise ValueError(f"invalid tap policy {policy}")
+        self.policy = policy
+
+    def plan(self, request: TapRequest) -> list[PlannedTap]:
+        """Taps to capture, sorted by position, at most ``max_new_taps`` of them."""
+        accepted: list[PlannedTap] = []
+        guards = [*request.existing, request.base]
+        for candidate in self._candidates(request):
+            if len(accepted) == self.policy.max_new_taps:
+                break
+            if self._admits(candidate, [t.position for t in accepted] + guards):
+                accepted.append(candidate)
+        return sorted(accepted, key=lambda t: t.position)
+
+    def _admits(self, candidate: PlannedTap, others: list[int]) -> bool:
+        """Dedup, the 64-token proximity rule, and the ladder's min gap on both sides."""
+        p = candidate.position
+        if p in others:
+            return False
+        if candidate.source is TapSource.LADDER:
+            return all(abs(p - q) >= self.policy.min_gap_tokens for q in others)
+        if candidate.source is TapSource.EXPLICIT:
+            return True
+        return not any(0 < p - q <= self.policy.proximity_tokens for q in others)
+
+    def _candidates(self, request: TapRequest) -> list[PlannedTap]:
+        """Every candidate, placed inside (base, n - 1], in selection order."""
+        policy = self.policy
+        n = request.num_tokens
+
+        def place(position: int, source: TapSource) -> PlannedTap | None:
+            for item in request.media:
+                if item.splits(position):
+                    position = item.begin
+            if not request.base < position <= n - 1:
+                return None
+            kind = SnapshotKind.BOUNDARY if source.boundary else SnapshotKind.TAP
+            return PlannedTap(position, source, kind)
+
+        hints = sorted(request.hints, key=lambda h: (h.position, h.source.value))
+        explicit = [place(h.position, h.source) for h in hints if h.source is TapSource.EXPLICIT]
+        semantic = [
+            place(h.position, h.source)
+            for h in hints
+            if h.source in _SEMANTIC
+            and not (h.source is TapSource.OPENER and request.resumed_from_endpoint)
+        ]
+        clusters = self._cluster([t for t in semantic if t is not None])
+        ladder = []
+        boundaries = sorted(request.message_boundaries)
+        step = policy.ladder_tokens
+        while n - step > request.base:
+            rung = self._snap(n - step, boundaries, request.base)
+            ladder.append(place(rung, TapSource.LADDER))
+            step *= 2
+        chunks = []
+        if policy.dense_flexible:
+            chunks = [
+                place(p, TapSource.CHUNK)
+                for p in range(request.base + policy.chunk_tokens, n, policy.chunk_tokens)
+            ]
+        ordered = [
+            *explicit,
+            *sorted(clusters, key=lambda t: (t.source.priority, t.position)),
+            place(n - 1, TapSource.TAIL),
+            *ladder,
+            *chunks,
+        ]
+        return [t for t in ordered if t is not None]
+
+    def _cluster(self, taps: list[PlannedTap]) -> list[PlannedTap]:
+        """Semantic boundaries closer than ``proximity_tokens`` to a cluster's earliest member
+        merge into it: the earliest position is kept, with the best priority and Boundary kind
+        of any member."""
+        clusters: list[list[PlannedTap]] = []
+        for tap in sorted(taps, key=lambda t: (t.position, t.source.value)):
+            if clusters and tap.position - clusters[-1][0].position < self.policy.proximity_tokens:
+                clusters[-1].append(tap)
+            else:
+                clusters.append([tap])
+        merged = []
+        for members in clusters:
+            best = min(members, key=lambda t: (t.source.priority, t.position))
+            boundary = any(t.kind is SnapshotKind.BOUNDARY for t in members)
+            kind = SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
+            merged.append(PlannedTap(members[0].position, best.source, kind))
+        return merged
+
+    def _snap(self, rung: int, boundaries: list[int], base: int) -> int:
+        """The last message boundary at or before ``rung`` within the min gap, else the rung."""
+        index = bisect.bisect_right(boundaries, rung) - 1
+        if index >= 0:
+            boundary = boundaries[index]
+            if boundary > base and rung - boundary <= self.policy.min_gap_tokens:
+                return boundary
+        return rung
+
+    def realize(
+        self, taps: Sequence[PlannedTap], chunk_ends: Sequence[int], request: TapRequest
+    ) -> list[PlannedTap]:
+        """Positions the taps are captured at, given the prefill's chunk end positions.
+
+        A flexible tap is taken at the end of the chunk that reaches it, or at the start of the
+        final chunk when it lies there (the prompt tail always does); exact taps stay put.
+        Realized positions that collide, fall at or below the base, inside media, or on an
+        existing snapshot are dropped (the earlier-listed, higher-priority tap wins).
+        """
+        n = request.num_tokens
+        ends = sorted(chunk_ends)
+        if not ends or ends[-1] != n:
+            raise ValueError(f"chunk ends must finish at the prompt end {n}: {list(ends)}")
+        seen = set(request.existing)
+        realized: list[PlannedTap] = []
+        for tap in sorted(taps, key=lambda t: (t.source.priority, t.position)):
+            position = tap.position
+            if not tap.exact:
+                index = bisect.bisect_left(ends, position)
+                position = ends[index]
+                if position == n:
+                    position = ends[index - 1] if index > 0 else request.base
+            splits = any(item.splits(position) for item in request.media)
+            if position <= request.base or position in seen or splits:
+                continue
+            seen.add(position)
+            realized.append(replace(tap, position=position))
+        return sorted(realized, key=lambda t: t.position)
+
+
+def chunk_ends(base: int, num_tokens: int, chunk_tokens: int, exact: Sequence[int]) -> list[int]:
+    """End positions of a prefill from ``base`` in chunks of ``chunk_tokens``, split at every
+    exact tap (each split is one more forward pass)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    splits = sorted({p for p in exact if base < p < num_tokens})
+    ends = []
+    start = base
+    while start < num_tokens:
+        end = min(start + chunk_tokens, num_tokens)
+        index = bisect.bisect_right(splits, start)
+        if index < len(splits) and splits[index] < end:
+            end = splits[index]
+        ends.append(end)
+        start = end
+    return ends

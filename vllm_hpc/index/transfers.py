@@ -1,0 +1,64 @@
+"""Copy plans the index hands to whoever moves the bytes, and reports back on completion.
+
+The index never touches tensor memory. An operation that needs data moved reserves the
+destinations, marks them Filling, pins the sources and returns one of these records; the copy
+runs elsewhere and the matching ``complete_*`` call makes the destinations resident and drops the
+pins (§6.5, §7.4, §7.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.types import PageId, SlabId, SlotId
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockCopy:
+    node: BlockNode
+    page: PageId
+    slab: SlabId
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockWrite:
+    """Device -> host write-through of a released lane's device-only blocks, page to slab."""
+
+    copies: tuple[BlockCopy, ...]
+    pinned: BlockNode
+    """Deepest written node; it and its ancestors stay pinned until completion."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SnapshotWrite:
+    """Device -> host write-through of a published snapshot's image (slot) and tail page."""
+
+    snapshot: Snapshot
+    slot: SlotId
+    image_slabs: tuple[SlabId, ...]
+    tail_page: PageId | None
+    tail_slab: SlabId | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Restore:
+    """What an admission from a snapshot must copy before the lane can run (§6.4).
+
+    * ``blocks``: host-only path blocks, slab -> a new cache-owned page (Filling);
+    * ``tail``: a host-only tail, slab -> a new cache-owned page (Filling);
+    * the image: from device slot ``image_slot``, or else from host ``image_slabs``, into the
+      lane's own state slot;
+    * ``tail_page``: the device tail page the lane copies into its private page (COW).
+    """
+
+    snapshot: Snapshot
+    blocks: tuple[BlockCopy, ...]
+    tail: tuple[SlabId, PageId] | None
+    image_slot: SlotId | None
+    image_slabs: tuple[SlabId, ...]
+    tail_page: PageId | None
+
+
+Transfer = Restore | BlockWrite | SnapshotWrite

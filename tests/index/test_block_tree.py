@@ -16,13 +16,13 @@ def test_insert_then_match_exact_tokens() -> None:
     h = Harness(make_index())
     prompt = toks(1, 5 * BLOCK)
     h.run(prompt)
-    match = h.index.match(h.index.prepare_prompt(prompt + [1]))
+    match = h.index.match(h.index.prepare_prompt([*prompt, 1]))
     assert len(match.path) == 5
     assert [node.depth for node in match.path] == [0, 1, 2, 3, 4]
     # One token different in block 2 stops the path there.
     edited = list(prompt)
     edited[2 * BLOCK + 17] += 1
-    match = h.index.match(h.index.prepare_prompt(edited + [1]))
+    match = h.index.match(h.index.prepare_prompt([*edited, 1]))
     assert len(match.path) == 2
 
 
@@ -33,7 +33,7 @@ def test_match_stops_before_the_block_holding_the_last_token() -> None:
     prompt = toks(2, 4 * BLOCK)
     h.run(prompt)
     assert len(h.index.match(h.index.prepare_prompt(prompt)).path) == 3
-    assert len(h.index.match(h.index.prepare_prompt(prompt + [9])).path) == 4
+    assert len(h.index.match(h.index.prepare_prompt([*prompt, 9])).path) == 4
 
 
 @pytest.mark.parametrize("hasher", [xxh3_block_hash, constant_hash])
@@ -46,19 +46,19 @@ def test_siblings_are_told_apart_by_exact_tokens(hasher) -> None:
     for branch in branches:
         h.run(branch)
     for branch in branches:
-        match = h.index.match(h.index.prepare_prompt(branch + [0]))
+        match = h.index.match(h.index.prepare_prompt([*branch, 0]))
         assert [n.tokens for n in match.path] == [
             h.index.prepare_prompt(branch).block_tokens(b) for b in range(3)
         ]
     stranger = shared + toks(99, 2 * BLOCK)
-    match = h.index.match(h.index.prepare_prompt(stranger + [0]))
+    match = h.index.match(h.index.prepare_prompt([*stranger, 0]))
     assert len(match.path) == 1
 
 
 def test_constant_hash_never_gives_a_false_hit_for_a_new_prefix() -> None:
     h = Harness(make_index(hasher=constant_hash))
     h.run(toks(4, 3 * BLOCK))
-    match = h.index.match(h.index.prepare_prompt(toks(5, 3 * BLOCK) + [0]))
+    match = h.index.match(h.index.prepare_prompt([*toks(5, 3 * BLOCK), 0]))
     assert match.path == []
 
 
@@ -78,8 +78,8 @@ def test_extra_key_takes_part_in_identity() -> None:
             admission.lease, prompt[block * BLOCK : (block + 1) * BLOCK], pages[0], extras[block]
         )
     h.finish(admission.lease)
-    same = h.index.match(h.index.prepare_prompt(prompt + [0], media=[image_a]))
-    other = h.index.match(h.index.prepare_prompt(prompt + [0], media=[image_b]))
+    same = h.index.match(h.index.prepare_prompt([*prompt, 0], media=[image_a]))
+    other = h.index.match(h.index.prepare_prompt([*prompt, 0], media=[image_b]))
     assert len(same.path) == 3
     assert len(other.path) == 1
 
@@ -100,9 +100,9 @@ def test_different_cache_salts_never_share_entries() -> None:
     h = Harness(make_index(hasher=constant_hash))
     prompt = toks(8, 3 * BLOCK)
     h.run(prompt, taps=[40, 2 * BLOCK], salt="tenant-a")
-    same = h.index.match(h.index.prepare_prompt(prompt + [0], cache_salt="tenant-a"))
-    other = h.index.match(h.index.prepare_prompt(prompt + [0], cache_salt="tenant-b"))
-    none = h.index.match(h.index.prepare_prompt(prompt + [0]))
+    same = h.index.match(h.index.prepare_prompt([*prompt, 0], cache_salt="tenant-a"))
+    other = h.index.match(h.index.prepare_prompt([*prompt, 0], cache_salt="tenant-b"))
+    none = h.index.match(h.index.prepare_prompt([*prompt, 0]))
     assert len(same.path) == 3 and same.frontiers == [40, 128]
     assert other.path == [] and other.candidates == []
     assert none.path == [] and none.candidates == []
@@ -141,9 +141,9 @@ def test_match_rejects_a_frontier_inside_a_media_span() -> None:
     index = h.index
     # Block extras differ with media, so compare candidates on a media-free path: a span that
     # only covers the tail part beyond the path's blocks is what the check is about.
-    prompt_inside = index.prepare_prompt(prompt + [0], media=[inside])
+    prompt_inside = index.prepare_prompt([*prompt, 0], media=[inside])
     assert index.match(prompt_inside).frontiers == []
-    prompt_starting = index.prepare_prompt(prompt + [0], media=[starting])
+    prompt_starting = index.prepare_prompt([*prompt, 0], media=[starting])
     assert prompt_starting.block_extras[1] == 0
     assert index.match(prompt_starting).frontiers == [2 * BLOCK]
 

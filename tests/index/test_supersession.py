@@ -1,0 +1,83 @@
+"""Supersession and retain-on-hit (§9.3, §13.1 'Supersession and admission')."""
+
+from __future__ import annotations
+
+from tests.index.harness import BLOCK, Harness, make_index, toks
+from vllm_hpc.index import Publication, Snapshot, SnapshotKind
+
+
+def snap(publication: Publication | None) -> Snapshot:
+    assert publication is not None
+    return publication.snapshot
+
+
+def test_a_lineage_supersedes_its_previous_tap_and_a_hit_retains_it() -> None:
+    h = Harness(make_index(host_slabs=32, slots=8))
+    prompt = toks(1, 3 * BLOCK + 5)
+    first, second = map(snap, h.run(prompt, taps=[BLOCK, 2 * BLOCK]))
+    assert first.superseded and not second.superseded
+    # A retry that diverges between the two taps resumes from the first one: retained again.
+    retry = prompt[:BLOCK] + toks(2, BLOCK + 5)
+    admission = h.admit(retry)
+    assert admission.source is first and not first.superseded and first.hits == 1
+    # ...until that lineage moves on past it.
+    h.tap(admission.lease, retry, 2 * BLOCK)
+    assert first.superseded
+    h.finish(admission.lease)
+
+
+def test_the_endpoint_leaves_the_last_tap_retained() -> None:
+    h = Harness(make_index(host_slabs=32, slots=8))
+    prompt = toks(3, 3 * BLOCK + 5)
+    first, last, end = map(snap, h.run(prompt, taps=[BLOCK, 2 * BLOCK], endpoint=True))
+    assert end.kind is SnapshotKind.ENDPOINT
+    assert [first.superseded, last.superseded, end.superseded] == [True, False, False]
+
+
+def test_the_next_turn_supersedes_the_endpoint_it_resumed_from() -> None:
+    h = Harness(make_index(host_slabs=32, slots=8))
+    turn1 = toks(4, 2 * BLOCK + 10)
+    (end1,) = map(snap, h.run(turn1, endpoint=True))
+    turn2 = turn1 + toks(5, 2 * BLOCK)
+    admission = h.admit(turn2)
+    assert admission.source is end1 and admission.lease.resumed_from_endpoint
+    end2 = snap(h.tap(admission.lease, turn2, len(turn2), SnapshotKind.ENDPOINT))
+    assert end1.superseded and not end2.superseded
+    h.finish(admission.lease)
+
+
+def test_a_boundary_is_superseded_only_while_the_tree_below_is_one_chain() -> None:
+    h = Harness(make_index(host_slabs=64, slots=8))
+    preamble = toks(6, 2 * BLOCK)
+    # One conversation: its later tap supersedes the boundary below which nothing branched.
+    solo = preamble + toks(7, 2 * BLOCK)
+    boundary, _ = map(snap, h.run(solo, taps=[2 * BLOCK, 3 * BLOCK], kind=SnapshotKind.BOUNDARY))
+    assert boundary.kind is SnapshotKind.BOUNDARY and boundary.superseded
+    # Another conversation continues from the boundary (resuming from it retains it), so the
+    # tree below now branches, and its later tap leaves the boundary retained.
+    other = preamble + toks(8, 2 * BLOCK)
+    admission = h.admit(other)
+    assert admission.source is boundary and not boundary.superseded
+    h.tap(admission.lease, other, 3 * BLOCK)
+    assert not boundary.superseded
+    h.finish(admission.lease)
+
+
+def test_a_divergent_tail_below_a_boundary_counts_as_a_branch() -> None:
+    h = Harness(make_index(host_slabs=64, slots=8))
+    preamble = toks(9, 2 * BLOCK)
+    first = preamble + toks(10, 2 * BLOCK)
+    (boundary,) = map(
+        snap, h.run(first[: 2 * BLOCK + 1], taps=[2 * BLOCK], kind=SnapshotKind.BOUNDARY)
+    )
+    # A conversation ends 10 tokens past the boundary: an endpoint with a tail, no block.
+    other = preamble + toks(11, 10)
+    admission = h.admit(other)
+    assert admission.source is boundary
+    h.tap(admission.lease, other, len(other), SnapshotKind.ENDPOINT)
+    h.finish(admission.lease)
+    # The first conversation now moves past the boundary: the tree below is not one chain.
+    admission = h.admit(first)
+    h.tap(admission.lease, first, 3 * BLOCK)
+    assert not boundary.superseded
+    h.finish(admission.lease)

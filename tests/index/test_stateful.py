@@ -1,0 +1,265 @@
+"""Random interleavings of the whole request life cycle keep every invariant (§10).
+
+The machine plays a scheduler-side manager: admissions, block commits, taps, endpoints,
+releases, transfer completions arriving late, active-page pressure and resets, over prompts
+that share prefixes, under tight device, slot and host capacities and with a lookup hash that
+collides often. After every step the index audits itself from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tests.index.harness import BLOCK, make_index
+from vllm_hpc.index import (
+    BlockWrite,
+    Lease,
+    PageId,
+    PrefixIndex,
+    Readiness,
+    Restore,
+    SnapshotKind,
+    SnapshotWrite,
+    xxh3_block_hash,
+)
+from vllm_hpc.index.prompt import pack_tokens
+
+DOCS = [[(d * 31 + i * 17) % 997 for i in range(6 * BLOCK)] for d in range(2)]
+
+
+def colliding_hash(parent: int, tokens: bytes, extra: int) -> int:
+    """Three buckets only: exact comparison must separate every sibling."""
+    return (parent + tokens[0] + extra) % 3
+
+
+@dataclass
+class Running:
+    lease: Lease
+    tokens: list[int]
+    restore: Restore | None
+    private: list[PageId] = field(default_factory=list)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    @initialize(
+        pages=st.integers(10, 40),
+        slots=st.integers(1, 3),
+        host=st.sampled_from([0, 4, 9, 20, 40]),
+        collide=st.booleans(),
+    )
+    def setup(self, pages: int, slots: int, host: int, collide: bool) -> None:
+        hasher = colliding_hash if collide else xxh3_block_hash
+        self.index: PrefixIndex = make_index(
+            pages=pages, slots=slots, host_slabs=host, hasher=hasher
+        )
+        self.running: list[Running] = []
+        self.writes: list[BlockWrite | SnapshotWrite] = []
+        self.pressure: list[list[PageId]] = []
+        self.inflation = 0.0
+
+    # -- admission ----------------------------------------------------------------------
+
+    @rule(
+        doc=st.integers(0, 1),
+        blocks=st.integers(0, 6),
+        cut=st.integers(0, 40),
+        suffix=st.lists(st.integers(0, 2), max_size=70),
+        salt=st.sampled_from([None, None, "t1"]),
+    )
+    def admit(self, doc: int, blocks: int, cut: int, suffix: list[int], salt: str | None) -> None:
+        """Prompts share whole blocks of two documents, then diverge in a short suffix."""
+        tokens = DOCS[doc][: max(blocks * BLOCK - cut, 0)] + suffix
+        if not tokens:
+            return
+        index = self.index
+        prompt = index.prepare_prompt(tokens, cache_salt=salt)
+        match = index.match(prompt)
+        self._assert_exact(match.path, match.candidates, tokens)
+        n = len(tokens)
+        quote = index.quote(match, lambda f: -(-n // BLOCK) - f // BLOCK)
+        if quote.readiness is not Readiness.READY:
+            return
+        admission = index.acquire(quote)
+        self.running.append(Running(admission.lease, tokens, admission.restore))
+
+    @rule(
+        doc=st.integers(0, 1),
+        blocks=st.integers(1, 6),
+        cut=st.integers(0, 40),
+        suffix=st.lists(st.integers(0, 2), max_size=70),
+        taps=st.lists(st.integers(1, 6 * BLOCK), max_size=3),
+        endpoint=st.booleans(),
+    )
+    def whole_request(
+        self, doc: int, blocks: int, cut: int, suffix: list[int], taps: list[int], endpoint: bool
+    ) -> None:
+        """Admit, restore, prefill with taps and finish in one step, to grow the cache fast."""
+        before = len(self.running)
+        self.admit(doc, blocks, cut, suffix, None)
+        if len(self.running) == before:
+            return
+        request = self.running[-1]
+        if request.restore is not None:
+            self.index.complete_restore(request.restore)
+            request.restore = None
+        for frontier in sorted(taps):
+            self._commit(request, frontier // BLOCK - len(request.lease.path))
+            if request.lease.previous_frontier < frontier <= len(request.lease.path) * BLOCK:
+                self._publish(request, frontier, SnapshotKind.TAP, write_now=True)
+        self._commit(request, 6)
+        self._finish(request, endpoint, write_now=True)
+
+    @staticmethod
+    def _assert_exact(path, candidates, tokens) -> None:
+        packed = pack_tokens(tokens)
+        assert b"".join(n.tokens for n in path) == packed[: len(path) * BLOCK * 4]
+        for snapshot in candidates:
+            prefix = b"".join(n.tokens for n in snapshot.anchor.path()) + snapshot.tail
+            assert prefix == packed[: snapshot.frontier * 4]
+            assert snapshot.frontier <= len(tokens) - 1
+
+    @precondition(lambda self: any(r.restore for r in self.running))
+    @rule(pick=st.integers(0, 99))
+    def complete_restore(self, pick: int) -> None:
+        pending = [r for r in self.running if r.restore]
+        request = pending[pick % len(pending)]
+        assert request.restore is not None
+        self.index.complete_restore(request.restore)
+        request.restore = None
+
+    # -- prefill ------------------------------------------------------------------------
+
+    @precondition(lambda self: any(r.restore is None for r in self.running))
+    @rule(pick=st.integers(0, 99), count=st.integers(1, 6))
+    def commit_blocks(self, pick: int, count: int) -> None:
+        self._commit(self._ready(pick), count)
+
+    def _ready(self, pick: int) -> Running:
+        """A running request whose restore has landed (prefill waits for it)."""
+        ready = [r for r in self.running if r.restore is None]
+        return ready[pick % len(ready)]
+
+    def _commit(self, request: Running, count: int) -> None:
+        for _ in range(count):
+            block = len(request.lease.path)
+            if (block + 1) * BLOCK > len(request.tokens):
+                return
+            pages = self.index.allocate_pages(1)
+            if pages is None:
+                return
+            chunk = request.tokens[block * BLOCK : (block + 1) * BLOCK]
+            result = self.index.commit_block(request.lease, chunk, pages[0])
+            if not result.page_is_cached:
+                request.private.append(pages[0])
+
+    @precondition(lambda self: any(r.restore is None for r in self.running))
+    @rule(
+        pick=st.integers(0, 99),
+        back=st.integers(0, 70),
+        kind=st.sampled_from([SnapshotKind.TAP, SnapshotKind.BOUNDARY]),
+        write_now=st.booleans(),
+    )
+    def tap(self, pick: int, back: int, kind: SnapshotKind, write_now: bool) -> None:
+        request = self._ready(pick)
+        limit = min(len(request.tokens), len(request.lease.path) * BLOCK + BLOCK - 1)
+        frontier = limit - back
+        if frontier <= request.lease.previous_frontier or frontier < 1:
+            return
+        self._publish(request, frontier, kind, write_now)
+
+    def _publish(
+        self, request: Running, frontier: int, kind: SnapshotKind, write_now: bool
+    ) -> None:
+        index = self.index
+        slot = index.take_snapshot_slot(request.lease, kind, frontier)
+        if slot is None:
+            return
+        tail_page = None
+        if frontier % BLOCK:
+            pages = index.allocate_pages(1)
+            if pages is None:
+                index.return_snapshot_slot(slot)
+                return
+            tail_page = pages[0]
+        start = frontier - frontier % BLOCK
+        publication = index.publish_snapshot(
+            request.lease,
+            kind=kind,
+            frontier=frontier,
+            tail_tokens=request.tokens[start:frontier],
+            slot=slot,
+            tail_page=tail_page,
+        )
+        if publication.write is not None:
+            self._land(publication.write, write_now)
+
+    def _land(self, write: BlockWrite | SnapshotWrite, now: bool) -> None:
+        if not now:
+            self.writes.append(write)
+        elif isinstance(write, BlockWrite):
+            self.index.complete_block_write(write)
+        else:
+            self.index.complete_snapshot_write(write)
+
+    @precondition(lambda self: any(r.restore is None for r in self.running))
+    @rule(pick=st.integers(0, 99), endpoint=st.booleans(), write_now=st.booleans())
+    def finish(self, pick: int, endpoint: bool, write_now: bool) -> None:
+        self._finish(self._ready(pick), endpoint, write_now)
+
+    def _finish(self, request: Running, endpoint: bool, write_now: bool) -> None:
+        lease = request.lease
+        frontier = min(len(request.tokens), len(lease.path) * BLOCK + BLOCK - 1)
+        if endpoint and frontier > lease.previous_frontier:
+            self._publish(request, frontier, SnapshotKind.ENDPOINT, write_now)
+        write = self.index.release(lease)
+        if write is not None:
+            self._land(write, write_now)
+        self.index.free_pages(request.private)
+        self.running.remove(request)
+
+    @precondition(lambda self: bool(self.writes))
+    @rule(pick=st.integers(0, 99))
+    def complete_write(self, pick: int) -> None:
+        self._land(self.writes.pop(pick % len(self.writes)), now=True)
+
+    # -- pressure and maintenance -----------------------------------------------------------
+
+    @rule(count=st.integers(1, 8))
+    def grab_pages(self, count: int) -> None:
+        pages = self.index.allocate_pages(count)
+        if pages is not None:
+            self.pressure.append(pages)
+
+    @precondition(lambda self: bool(self.pressure))
+    @rule()
+    def drop_pages(self) -> None:
+        self.index.free_pages(self.pressure.pop())
+
+    @rule()
+    def reset(self) -> None:
+        idle = not (self.running or self.writes or self.pressure)
+        assert self.index.reset() is idle
+        if idle:
+            self.inflation = 0.0
+
+    # -- checks -----------------------------------------------------------------------------
+
+    @invariant()
+    def audit(self) -> None:
+        self.index.check_invariants()
+        inflation = self.index.store.value.inflation
+        assert inflation >= self.inflation, "L decreased"
+        self.inflation = inflation
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=50,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestIndexMachine = IndexMachine.TestCase

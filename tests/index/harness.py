@@ -16,6 +16,7 @@ from vllm_hpc.index import (
     PrefixIndex,
     Publication,
     Readiness,
+    Snapshot,
     SnapshotKind,
 )
 
@@ -26,6 +27,12 @@ SLAB = 4096
 def toks(seed: int, count: int) -> list[int]:
     """Deterministic distinct-looking tokens; equal seeds give equal sequences."""
     return [(seed * 7919 + i * 104729) % 50_000 for i in range(count)]
+
+
+def snap(publication: Publication | None) -> Snapshot:
+    """The snapshot of a publication that must have happened."""
+    assert publication is not None
+    return publication.snapshot
 
 
 def simple_cost() -> CacheCostModel:

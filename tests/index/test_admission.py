@@ -6,9 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.index.harness import BLOCK, Harness, make_index, simple_cost, toks
+from tests.index.harness import BLOCK, Harness, make_index, simple_cost, snap, toks
 from vllm_hpc.index import (
-    Publication,
     Readiness,
     Residency,
     Snapshot,
@@ -16,11 +15,6 @@ from vllm_hpc.index import (
     StaleQuoteError,
 )
 from vllm_hpc.index.admission import classify
-
-
-def snap(publication: Publication | None) -> Snapshot:
-    assert publication is not None
-    return publication.snapshot
 
 
 def option(frontier: int, seconds: float, restore: int = 0, own: int = 0) -> SourceOption:

@@ -125,10 +125,10 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree() -> None:
     h.run(right, taps=[3 * BLOCK])
     index = h.index
     t0, t1 = index.match(index.prepare_prompt([*left, 0])).path[:2]
-    assert t0.live_below == 4
+    assert t0.live_snapshots_below == 4
     index.store.drop_node_device(t1)
     assert sorted(s.frontier for s in index.store.snapshots) == [BLOCK]
-    assert t0.children is None and t0.live_below == 1
+    assert t0.children is None and t0.live_snapshots_below == 1
     assert index.store.pages.num_free == index.store.pages.capacity - 1  # only t0's page
     assert index.stats.nodes_deleted == 5
     h.check()

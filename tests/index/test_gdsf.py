@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.index.harness import BLOCK, Harness, make_index, toks
+from tests.index.harness import BLOCK, Harness, make_index, snap, toks
 from vllm_hpc.index import Snapshot
 from vllm_hpc.index.host_eviction import ValuedSnapshot
-
-
-def published(pub: object) -> Snapshot:
-    assert pub is not None
-    snapshot = pub.snapshot  # type: ignore[attr-defined]
-    assert isinstance(snapshot, Snapshot)
-    return snapshot
 
 
 def gdsf_victim(h: Harness) -> Snapshot:
@@ -31,11 +24,11 @@ def test_two_siblings() -> None:
     h = Harness(make_index(host_slabs=16))
     trunk = toks(1, 2 * BLOCK)
     (left,) = h.run(trunk + toks(2, BLOCK), taps=[3 * BLOCK])
-    s_left = published(left)
+    s_left = snap(left)
     # Alone, s_left owns all three host blocks: Z = 4000 + 3·1000 = 7000.
     assert s_left.size == 7000
     (right,) = h.run(trunk + toks(3, 3 * BLOCK), taps=[5 * BLOCK])
-    s_right = published(right)
+    s_right = snap(right)
     # C(left)  = prefill(0, 192) - 0.004 = 0.192 + 192·193/2·1e-6 - 0.004
     #          = 0.192 + 0.018528 - 0.004 = 0.206528
     # Z(left)  = 4000 + 1000 (block 2 only: the trunk is now shared)         = 5000
@@ -60,7 +53,7 @@ def test_nested_ancestor_and_descendant() -> None:
     # A shorter prompt cannot use the tap at 320 (F > n - 1), prefills from the root and
     # publishes a tap at 128 between the root and the deep one: no lineage supersession.
     (shallow,) = h.run(prompt[: 3 * BLOCK], taps=[2 * BLOCK])
-    s_deep, s_shallow = published(deep), published(shallow)
+    s_deep, s_shallow = snap(deep), snap(shallow)
     assert s_deep.ancestor is s_shallow and s_shallow.ancestor is None
     # C(shallow) = prefill(0, 128) - 0.004 = 0.128 + 128·129/2·1e-6 - 0.004 = 0.132256
     # Z(shallow) = 4000 (blocks 0-1 are below both snapshots: not exclusive)
@@ -88,8 +81,8 @@ def test_nested_ancestor_and_descendant() -> None:
 def test_frequency_and_aging() -> None:
     h = Harness(make_index(host_slabs=16))
     x, y = toks(5, 2 * BLOCK + 5), toks(6, 2 * BLOCK + 5)
-    s_x = published(h.run(x, taps=[2 * BLOCK])[0])
-    s_y = published(h.run(y, taps=[2 * BLOCK])[0])
+    s_x = snap(h.run(x, taps=[2 * BLOCK])[0])
+    s_y = snap(h.run(y, taps=[2 * BLOCK])[0])
     # Equal shapes: C = 0.132256 (as above), Z = 4000 + 2·1000 = 6000,
     # H = 0.132256 / 6000 = 2.204266...e-5 for both.
     assert s_x.priority == pytest.approx(0.132256 / 6000)
@@ -111,14 +104,14 @@ def test_frequency_and_aging() -> None:
 def test_tail_counts_in_size_and_l_stamps_new_snapshots() -> None:
     h = Harness(make_index(host_slabs=16))
     prompt = toks(7, 2 * BLOCK + 20)
-    s_tail = published(h.run(prompt, taps=[BLOCK + 10])[0])
+    s_tail = snap(h.run(prompt, taps=[BLOCK + 10])[0])
     # A tail adds one block record: Z = 4000 + 1000 (tail) + 1000 (block 0, host) = 6000.
     # C = prefill(0, 74) - 0.004 = 0.074 + 74·75/2·1e-6 - 0.004 = 0.074 + 0.002775 - 0.004
     #   = 0.072775
     assert s_tail.size == 6000
     assert s_tail.cost == pytest.approx(0.072775)
     h.index.store.value.inflation = 1.0  # as if earlier evictions had raised L
-    s_new = published(h.run(toks(8, BLOCK + 5), taps=[BLOCK])[0])
+    s_new = snap(h.run(toks(8, BLOCK + 5), taps=[BLOCK])[0])
     # C = prefill(0, 64) - 0.004 = 0.064 + 64·65/2·1e-6 - 0.004 = 0.06208; Z = 4000 + 1000
     assert s_new.base_l == 1.0
     assert s_new.priority == pytest.approx(1.0 + 0.06208 / 5000)
@@ -128,11 +121,11 @@ def test_inflation_never_decreases() -> None:
     """Evicting a snapshot whose recomputed H fell below L leaves L unchanged."""
     h = Harness(make_index(host_slabs=32))
     prompt = toks(9, 5 * BLOCK + 1)
-    deep = published(h.run(prompt, taps=[5 * BLOCK])[0])
+    deep = snap(h.run(prompt, taps=[5 * BLOCK])[0])
     value = h.index.store.value
     value.inflation = 1.0
     # A new ancestor takes over most of deep's prefill: deep's C (and H) drop, L stays.
-    published(h.run(prompt[: 4 * BLOCK + 1], taps=[4 * BLOCK])[0])
+    snap(h.run(prompt[: 4 * BLOCK + 1], taps=[4 * BLOCK])[0])
     assert deep.priority < 1.0
     assert gdsf_victim(h) is deep
     h.index.store.drop_snapshot_image_device(deep)  # make it host-only so eviction deletes it

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.index.harness import BLOCK, Harness, make_index, toks
-from vllm_hpc.index import Publication, Residency, Snapshot, SnapshotKind
-
-
-def snap(publication: Publication | None) -> Snapshot:
-    assert publication is not None
-    return publication.snapshot
+from tests.index.harness import BLOCK, Harness, make_index, snap, toks
+from vllm_hpc.index import Residency, SnapshotKind
 
 
 def test_superseded_owners_go_first_oldest_supersession_first() -> None:

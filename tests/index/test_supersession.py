@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from tests.index.harness import BLOCK, Harness, make_index, toks
-from vllm_hpc.index import Publication, Snapshot, SnapshotKind
-
-
-def snap(publication: Publication | None) -> Snapshot:
-    assert publication is not None
-    return publication.snapshot
+from tests.index.harness import BLOCK, Harness, make_index, snap, toks
+from vllm_hpc.index import SnapshotKind
 
 
 def test_a_lineage_supersedes_its_previous_tap_and_a_hit_retains_it() -> None:

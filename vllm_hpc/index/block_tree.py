@@ -30,8 +30,10 @@ class BlockNode:
     Identity fields never change after insertion (§10.2). The residency fields are written only
     by ``CacheStore``; the liveness counts only by ``SnapshotTable``.
 
-    Refs and pins are path-closed: whoever holds a node holds every ancestor up to the root, so
-    deleting an unheld subtree (§9.4) can never reach a held node.
+    NOTE (path-closed holds): ``active_refs`` and ``restore_pins`` are taken on a node and on
+    every ancestor up to the root. A sequence maps its whole path anyway; for transfers (which
+    the spec pins per node) this is what guarantees that deleting an unheld subtree (§9.4) can
+    never reach a node or snapshot a copy is still reading or writing.
     """
 
     id: NodeId
@@ -48,15 +50,15 @@ class BlockNode:
     device_page: PageId | None = None
     host: Residency = Residency.ABSENT
     host_slab: SlabId | None = None
-    refs: int = 0
+    active_refs: int = 0
     """Active sequences whose path includes this node."""
-    pins: int = 0
-    """In-flight transfers reading or writing this node or a node or snapshot below it."""
+    restore_pins: int = 0
+    """In-flight restores and write-throughs of this node or of a node or snapshot below it."""
     # Liveness: counts over the snapshots anchored in this node's subtree.
-    live_below: int = 0
-    retained_below: int = 0
-    retained_sum: int = 0
-    """Sum of the retained snapshots' ids: the owner's id when ``retained_below == 1``."""
+    live_snapshots_below: int = 0
+    retained_snapshots_below: int = 0
+    retained_id_sum: int = 0
+    """Sum of the retained snapshots' ids: the owner's id when ``retained_snapshots_below == 1``."""
 
     @property
     def is_root(self) -> bool:
@@ -64,7 +66,7 @@ class BlockNode:
 
     @property
     def held(self) -> bool:
-        return self.refs > 0 or self.pins > 0
+        return self.active_refs > 0 or self.restore_pins > 0
 
     @property
     def end(self) -> int:

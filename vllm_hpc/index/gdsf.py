@@ -48,7 +48,7 @@ class GdsfValuation:
             return 0
         held = 0
         node: BlockNode | None = snapshot.anchor
-        while node is not None and not node.is_root and node.retained_below == 1:
+        while node is not None and not node.is_root and node.retained_snapshots_below == 1:
             if node.host_slab is not None:
                 held += 1
             node = node.parent

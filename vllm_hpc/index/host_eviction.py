@@ -48,7 +48,7 @@ class HostEvictor:
 
     @staticmethod
     def is_dead(node: BlockNode) -> bool:
-        return node.host is Residency.RESIDENT and node.live_below == 0 and not node.held
+        return node.host is Residency.RESIDENT and node.live_snapshots_below == 0 and not node.held
 
     def sync_dead(self, node: BlockNode) -> None:
         if self.is_dead(node):
@@ -67,13 +67,13 @@ class HostEvictor:
             if node.children is None or node.device is Residency.RESIDENT:
                 return DeadBlock(node)
         for snapshot in self.superseded:
-            if snapshot.pins == 0 and snapshot.holds_host:
+            if snapshot.restore_pins == 0 and snapshot.holds_host:
                 return StaleSnapshot(snapshot)
         best: Snapshot | None = None
         for snapshot in snapshots:
             if (
                 not snapshot.superseded
-                and snapshot.pins == 0
+                and snapshot.restore_pins == 0
                 and snapshot.holds_host
                 and (best is None or snapshot.priority < best.priority)
             ):

@@ -82,7 +82,7 @@ def _check_tree(store: CacheStore) -> list[BlockNode]:
                 f"node {node.id} has a location without a state or the reverse",
             )
             _expect(
-                node.refs == 0 or node.device is not Residency.ABSENT,
+                node.active_refs == 0 or node.device is not Residency.ABSENT,
                 f"node {node.id} is on an active path without a device copy",
             )
     return nodes
@@ -147,14 +147,20 @@ def _check_holds(
             snapshot_pins[transfer.snapshot] += 1
             pins.update(_ancestors(transfer.snapshot.anchor))
     for node in nodes:
-        _expect(node.refs == refs[node], f"node {node.id} refs {node.refs} != {refs[node]}")
-        _expect(node.pins == pins[node], f"node {node.id} pins {node.pins} != {pins[node]}")
+        _expect(
+            node.active_refs == refs[node],
+            f"node {node.id} refs {node.active_refs} != {refs[node]}",
+        )
+        _expect(
+            node.restore_pins == pins[node],
+            f"node {node.id} pins {node.restore_pins} != {pins[node]}",
+        )
         filling = Residency.FILLING in (node.device, node.host)
-        _expect(not filling or node.pins > 0, f"node {node.id} is Filling but unpinned")
+        _expect(not filling or node.restore_pins > 0, f"node {node.id} is Filling but unpinned")
     for s in snapshots:
-        _expect(s.pins == snapshot_pins[s], f"snapshot {s.id} pins do not match transfers")
+        _expect(s.restore_pins == snapshot_pins[s], f"snapshot {s.id} pins do not match transfers")
         filling = Residency.FILLING in (s.image_host, s.tail_device, s.tail_host)
-        _expect(not filling or s.pins > 0, f"snapshot {s.id} is Filling but unpinned")
+        _expect(not filling or s.restore_pins > 0, f"snapshot {s.id} is Filling but unpinned")
 
 
 def _check_liveness(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
@@ -169,9 +175,9 @@ def _check_liveness(store: CacheStore, nodes: list[BlockNode], snapshots: list[S
     for node in nodes:
         owners = retained[node]
         _expect(
-            node.live_below == live[node]
-            and node.retained_below == len(owners)
-            and node.retained_sum == sum(s.id for s in owners),
+            node.live_snapshots_below == live[node]
+            and node.retained_snapshots_below == len(owners)
+            and node.retained_id_sum == sum(s.id for s in owners),
             f"node {node.id} liveness counts differ from a recount",
         )
     for s in snapshots:
@@ -228,12 +234,14 @@ def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Sna
         len(free) == len(set(free)) and set(free) == set(pool.pages_in(PageState.FREE)),
         "device free stack differs from the FREE pages",
     )
+    counted = sum(len(pool.pages_in(state)) for state in PageState)
+    _expect(counted == pool.capacity, "free + active + cached + filling pages != capacity")
     expected_lru: dict[LruEntry, bool] = {}
     for node in nodes:
         if not node.is_root and node.device is Residency.RESIDENT and not node.held:
             expected_lru[node] = node.host is Residency.RESIDENT
     for s in snapshots:
-        if s.tail_device is Residency.RESIDENT and s.pins == 0:
+        if s.tail_device is Residency.RESIDENT and s.restore_pins == 0:
             expected_lru[s] = s.tail_host is Residency.RESIDENT
     order = store.lru.order()
     _expect(len(order) == len(expected_lru), "device LRU size differs from the rule")

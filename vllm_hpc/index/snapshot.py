@@ -45,7 +45,7 @@ class Snapshot:
     tail_device: Residency = Residency.ABSENT
     tail_slab: SlabId | None = None
     tail_host: Residency = Residency.ABSENT
-    pins: int = 0
+    restore_pins: int = 0
     """In-flight transfers reading or writing it; its anchor path is pinned with it."""
     # Supersession and recency (§9.2, §9.3).
     superseded: bool = False

@@ -68,7 +68,7 @@ class DeviceSnapshotSlots:
         """
         if self._free:
             return SlotChoice(self._free[-1], SlotRule.FREE, None)
-        owners = [s for s in self._owners if s is not None and s.pins == 0]
+        owners = [s for s in self._owners if s is not None and s.restore_pins == 0]
         superseded = [s for s in owners if s.superseded]
         if superseded:
             victim = min(superseded, key=lambda s: (s.superseded_at, s.id))

@@ -2,9 +2,9 @@
 
 Kept eagerly, because host eviction must decide in O(snapshots) without walking paths:
 
-* ``live_below`` / ``retained_below`` on every node on a snapshot's path (dead KV is a host
-  node with ``live_below == 0``; a node with ``retained_below == 1`` belongs to the exclusive
-  path of exactly one retained snapshot, whose id is then ``retained_sum``);
+* ``live_snapshots_below`` / ``retained_snapshots_below`` on every node of a snapshot's path:
+  dead KV is a host node with no live snapshot below; a node with exactly one retained
+  snapshot below belongs to that snapshot's exclusive path, and ``retained_id_sum`` names it;
 * ``ancestor`` / ``dependents`` links: each snapshot's nearest snapshot above it on its path.
 """
 
@@ -23,7 +23,7 @@ class PathChange:
     """What one liveness update changed, so the caller can resync derived sets and values."""
 
     crossed: list[BlockNode] = field(default_factory=list)
-    """Block nodes whose ``live_below`` moved between 0 and 1 (dead-KV membership changes)."""
+    """Block nodes whose live count moved between 0 and 1 (dead-KV membership changes)."""
     owner: Snapshot | None = None
     """A retained snapshot whose exclusive path grew or shrank."""
     relinked: list[Snapshot] = field(default_factory=list)
@@ -151,19 +151,19 @@ class SnapshotTable:
         node: BlockNode | None = snapshot.anchor
         while node is not None:
             if live:
-                node.live_below += live
-                if not node.is_root and node.live_below == (1 if live > 0 else 0):
+                node.live_snapshots_below += live
+                if not node.is_root and node.live_snapshots_below == (1 if live > 0 else 0):
                     change.crossed.append(node)
             if retained:
                 # The one other retained snapshot whose exclusive path (the count-1 nodes)
                 # this snapshot starts or stops sharing.
                 exclusive = not owner_id and not node.is_root
-                if exclusive and retained > 0 and node.retained_below == 1:
-                    owner_id = node.retained_sum
-                node.retained_below += retained
-                node.retained_sum += retained * snapshot.id
-                if exclusive and retained < 0 and node.retained_below == 1:
-                    owner_id = node.retained_sum
+                if exclusive and retained > 0 and node.retained_snapshots_below == 1:
+                    owner_id = node.retained_id_sum
+                node.retained_snapshots_below += retained
+                node.retained_id_sum += retained * snapshot.id
+                if exclusive and retained < 0 and node.retained_snapshots_below == 1:
+                    owner_id = node.retained_id_sum
             node = node.parent
         if owner_id:
             change.owner = self.by_id[SnapshotId(owner_id)]

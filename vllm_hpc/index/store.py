@@ -60,7 +60,7 @@ class CacheStore:
         self.host.sync_dead(node)
 
     def sync_tail(self, snapshot: Snapshot) -> None:
-        if snapshot.tail_device is Residency.RESIDENT and snapshot.pins == 0:
+        if snapshot.tail_device is Residency.RESIDENT and snapshot.restore_pins == 0:
             self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT)
         else:
             self.lru.remove(snapshot)
@@ -75,29 +75,29 @@ class CacheStore:
 
     def _resize_owner(self, node: BlockNode, delta_bytes: int) -> None:
         """A node's host copy came or went: its exclusive owner (if any) changes size."""
-        if node.retained_below == 1:
-            owner = self.snapshots.by_id[SnapshotId(node.retained_sum)]
+        if node.retained_snapshots_below == 1:
+            owner = self.snapshots.by_id[SnapshotId(node.retained_id_sum)]
             self.value.resize(owner, delta_bytes)
 
     # -- refs and pins (path-closed) --------------------------------------------------------
 
     def ref(self, node: BlockNode, delta: int) -> None:
-        node.refs += delta
-        assert node.refs >= 0, "ref count below zero"
+        node.active_refs += delta
+        assert node.active_refs >= 0, "ref count below zero"
         self.sync_node(node)
 
     def pin_path(self, node: BlockNode, delta: int) -> None:
         """Pin (or unpin) ``node`` and every ancestor: a transfer's sources and destinations."""
         current: BlockNode | None = node
         while current is not None:
-            current.pins += delta
-            assert current.pins >= 0, "pin count below zero"
+            current.restore_pins += delta
+            assert current.restore_pins >= 0, "pin count below zero"
             self.sync_node(current)
             current = current.parent
 
     def pin_snapshot(self, snapshot: Snapshot, delta: int) -> None:
-        snapshot.pins += delta
-        assert snapshot.pins >= 0, "snapshot pin count below zero"
+        snapshot.restore_pins += delta
+        assert snapshot.restore_pins >= 0, "snapshot pin count below zero"
         self.pin_path(snapshot.anchor, delta)
         self.sync_tail(snapshot)
 
@@ -141,7 +141,7 @@ class CacheStore:
             assert not node.held, "deleting a held node"
             for snapshot in list(node.snapshots or ()):
                 self.delete_snapshot(snapshot)
-            assert node.retained_below == 0
+            assert node.retained_snapshots_below == 0
             if node.device_page is not None:
                 self.pages.free((node.device_page,))
                 self.lru.remove(node)
@@ -177,7 +177,7 @@ class CacheStore:
         return snapshot
 
     def delete_snapshot(self, snapshot: Snapshot) -> None:
-        assert snapshot.pins == 0, "deleting a pinned snapshot"
+        assert snapshot.restore_pins == 0, "deleting a pinned snapshot"
         if snapshot.slot is not None:
             self.slots.release(snapshot.slot)
             snapshot.slot = None

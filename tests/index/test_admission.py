@@ -141,3 +141,24 @@ def test_restore_plan_and_filling_candidates_are_skipped() -> None:
     assert index.stats.hits_host == 1
     h.commit(first.lease, prompt)
     h.finish(first.lease)
+
+
+class FlatCost:
+    """A plugged-in cost model: prefill costs one second per token, restores are free."""
+
+    def prefill_seconds(self, base: int, tokens: int) -> float:
+        return float(tokens)
+
+    def restore_seconds(self, host_bytes: int) -> float:
+        return 0.0
+
+
+def test_a_custom_cost_model_plugs_in() -> None:
+    h = Harness(make_index(host_slabs=32, cost=FlatCost()))
+    prompt = toks(6, 6 * BLOCK + 5)
+    _, deep = prepare_two_sources(h, prompt)
+    match = h.index.match(h.index.prepare_prompt(prompt))
+    assert match.matched_tokens == 6 * BLOCK
+    quote = h.index.quote(match, lambda f: 0)
+    assert quote.source is not None and quote.source.snapshot is deep
+    assert quote.source.seconds == len(prompt) - 5 * BLOCK

@@ -14,7 +14,7 @@ from vllm_hpc.index.admission import (
 )
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.config import IndexConfig
-from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.cost_model import CacheCostModel, CostModel
 from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
@@ -56,6 +56,7 @@ __all__ = [
     "CacheStats",
     "CommitOutcome",
     "CommitResult",
+    "CostModel",
     "GrowthPages",
     "HostGeometry",
     "HostSlabPool",

@@ -11,15 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from vllm_hpc.index.block_tree import BlockNode
-from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.block_tree import BlockNode, BlockTree
+from vllm_hpc.index.cost_model import CostModel
 from vllm_hpc.index.device_lru import DeviceLRU
 from vllm_hpc.index.host_pool import HostGeometry
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.prompt import PreparedPrompt
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.transfers import Restore
-from vllm_hpc.index.types import Residency, Tick
+from vllm_hpc.index.types import BLOCK_TOKENS, Residency, Tick
 
 GrowthPages = Callable[[int], int]
 """``growth_pages(F)``: pages the sequence itself needs when it resumes at frontier F.
@@ -49,7 +49,7 @@ class MatchResult:
 
     @property
     def matched_tokens(self) -> int:
-        return len(self.path) * 64
+        return len(self.path) * BLOCK_TOKENS
 
     @property
     def frontiers(self) -> list[int]:
@@ -96,8 +96,31 @@ class Admission:
     """Copies to run, then ``complete_restore``; None when admitted from the root."""
 
 
+def lookup(tree: BlockTree, prompt: PreparedPrompt) -> MatchResult:
+    """§6.1: the matched path, then every snapshot on it whose tail tokens equal the prompt's,
+    with F <= n - 1 (at least one token is always prefilled) and F not inside a media span.
+
+    O(k + snapshots on the path); read-only.
+    """
+    n = prompt.num_tokens
+    root, path = tree.match_path(prompt, max(n - 1, 0) // BLOCK_TOKENS)
+    candidates: list[Snapshot] = []
+    if root is not None:
+        for node in (root, *path):
+            for snapshot in node.snapshots or ():
+                frontier = snapshot.frontier
+                if (
+                    frontier <= n - 1
+                    and prompt.token_range(node.end, frontier) == snapshot.tail
+                    and not prompt.splits_media(frontier)
+                ):
+                    candidates.append(snapshot)
+    candidates.sort(key=lambda s: s.frontier)
+    return MatchResult(prompt, root, path, candidates)
+
+
 def source_options(
-    match: MatchResult, lru: DeviceLRU, cost: CacheCostModel, geometry: HostGeometry
+    match: MatchResult, lru: DeviceLRU, cost: CostModel, geometry: HostGeometry
 ) -> list[SourceOption]:
     """[s*, s_dev, root] without repeats, in fallback order (§6.2, §6.3).
 

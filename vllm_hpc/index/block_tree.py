@@ -12,7 +12,6 @@ even under a forced hash collision. Roots are created on first use and dropped w
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -211,10 +210,3 @@ class BlockTree:
             stack.extend(current.child_list())
         order.reverse()
         return order
-
-    def nodes(self) -> Iterator[BlockNode]:
-        """Every block node of every tenant (roots excluded)."""
-        for root in self._roots.values():
-            for node in self.subtree(root):
-                if not node.is_root:
-                    yield node

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.cost_model import CacheCostModel, CostModel
 from vllm_hpc.index.host_pool import HostGeometry
 from vllm_hpc.index.prompt import BlockHasher, xxh3_block_hash
 
@@ -20,5 +20,5 @@ class IndexConfig:
     """D device snapshot slots (§5.4: C + 1 with a host tier, C + 2 without)."""
     host_budget_bytes: int = 0
     """Host slab pool size; 0 disables the host tier."""
-    cost: CacheCostModel = field(default_factory=CacheCostModel)
+    cost: CostModel = field(default_factory=CacheCostModel)
     hasher: BlockHasher = xxh3_block_hash

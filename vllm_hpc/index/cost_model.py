@@ -7,11 +7,20 @@ ranks choices: capacity and validity never depend on it (§10.10).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class CostModel(Protocol):
+    """What the index asks of a cost model; a binding may plug in its own calibrated one."""
+
+    def prefill_seconds(self, base: int, tokens: int) -> float: ...
+
+    def restore_seconds(self, host_bytes: int) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
 class CacheCostModel:
-    """Linear prefill model plus a bandwidth-and-latency transfer model.
+    """The default ``CostModel``: linear prefill plus a bandwidth-and-latency transfer model.
 
     The defaults are generic placeholders of the right order for a large hybrid model on one
     GPU; a deployment replaces them with measured coefficients.

@@ -13,7 +13,7 @@ for a neighbour's sake can leave an H below L, so evicting it must not lower L.
 from __future__ import annotations
 
 from vllm_hpc.index.block_tree import BlockNode
-from vllm_hpc.index.cost_model import CacheCostModel
+from vllm_hpc.index.cost_model import CostModel
 from vllm_hpc.index.host_pool import HostGeometry
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.snapshot_table import SnapshotTable
@@ -21,7 +21,7 @@ from vllm_hpc.index.types import BLOCK_TOKENS
 
 
 class GdsfValuation:
-    def __init__(self, cost: CacheCostModel, geometry: HostGeometry) -> None:
+    def __init__(self, cost: CostModel, geometry: HostGeometry) -> None:
         self.cost = cost
         self.geometry = geometry
         self.inflation = 0.0

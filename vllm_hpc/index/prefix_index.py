@@ -8,10 +8,10 @@ A request's life::
 
     prompt = index.prepare_prompt(tokens, cache_salt=salt)      # off the hot path
     quote = index.quote(index.match(prompt), growth_pages)      # READY / BLOCKED / INFEASIBLE
-    admission = index.acquire(quote)                            # pins, restore plan
-    ... run admission.restore, then index.complete_restore(admission.restore)
+    admission = index.acquire(quote)                            # refs, pins, restore plan
+    ... copy admission.restore, then index.complete_restore(admission.restore)
     ... per full block: index.commit_block(lease, tokens, page)
-    ... per tap: slot = index.take_snapshot_slot(...); copy state; index.publish_snapshot(...)
+    ... per tap: slot = index.take_snapshot_slot(...); copy the state in; publish_snapshot(...)
     write = index.release(lease)                                # write-through plan
 """
 
@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from vllm_hpc.index import admission as arithmetic
-from vllm_hpc.index.admission import Admission, AdmissionQuote, GrowthPages, MatchResult
+from vllm_hpc.index.admission import (
+    Admission,
+    AdmissionQuote,
+    GrowthPages,
+    MatchResult,
+    classify,
+    lookup,
+    source_options,
+)
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
@@ -66,42 +73,26 @@ class PrefixIndex:
         media: Sequence[MediaItem] = (),
         cache_salt: str | None = None,
     ) -> PreparedPrompt:
-        """Pack the prompt and hash its blocks with this index's hasher (done once per prompt)."""
+        """Pack the prompt and hash its blocks with this index's hasher (once per prompt)."""
         return prepare_prompt(
             tokens, hasher=self.store.tree.hasher, media=media, cache_salt=cache_salt
         )
 
     def match(self, prompt: PreparedPrompt) -> MatchResult:
-        """Matched path and candidate snapshots (F <= n - 1, not inside media). Read-only."""
-        n = prompt.num_tokens
-        root, path = self.store.tree.match_path(prompt, max(n - 1, 0) // BLOCK_TOKENS)
-        candidates: list[Snapshot] = []
-        if root is not None:
-            for node in (root, *path):
-                for snapshot in node.snapshots or ():
-                    frontier = snapshot.frontier
-                    if (
-                        frontier <= n - 1
-                        and prompt.token_range(node.end, frontier) == snapshot.tail
-                        and not prompt.splits_media(frontier)
-                    ):
-                        candidates.append(snapshot)
-        candidates.sort(key=lambda s: s.frontier)
-        return MatchResult(prompt, root, path, candidates)
+        """Matched path and candidate snapshots (§6.1). Read-only."""
+        return lookup(self.store.tree, prompt)
 
     def quote(self, match: MatchResult, growth_pages: GrowthPages) -> AdmissionQuote:
         """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only."""
         store = self.store
-        options = arithmetic.source_options(
-            match, store.lru, store.value.cost, store.value.geometry
-        )
-        readiness, source, need = arithmetic.classify(
+        options = source_options(match, store.lru, store.value.cost, store.value.geometry)
+        readiness, source, need = classify(
             options, growth_pages, self.available_pages, store.pages.capacity
         )
         return AdmissionQuote(readiness, source, need, match, store.tick)
 
     def acquire(self, quote: AdmissionQuote) -> Admission:
-        """Pin the quoted source's path and snapshot and reserve its restore destinations."""
+        """Ref the quoted source's path, pin its snapshot and reserve restore destinations."""
         store = self.store
         source = quote.source
         if source is None:
@@ -126,15 +117,11 @@ class PrefixIndex:
         for node in lease.path:
             if node.device is Residency.ABSENT:
                 assert node.host_slab is not None
-                (page,) = store.pages.allocate(1, PageState.FILLING)
-                store.attach_device(node, page, Residency.FILLING)
-                blocks.append(BlockCopy(node, page, node.host_slab))
+                blocks.append(BlockCopy(node, store.fill_device(node), node.host_slab))
         tail = None
         if snapshot.tail and snapshot.tail_device is Residency.ABSENT:
             assert snapshot.tail_slab is not None
-            (page,) = store.pages.allocate(1, PageState.FILLING)
-            snapshot.tail_page, snapshot.tail_device = page, Residency.FILLING
-            tail = (snapshot.tail_slab, page)
+            tail = (snapshot.tail_slab, store.fill_tail_device(snapshot))
         store.touch(snapshot, hit=True)
         lease.resumed_from = snapshot
         lease.resumed_from_endpoint = snapshot.kind is SnapshotKind.ENDPOINT
@@ -155,17 +142,13 @@ class PrefixIndex:
         return Admission(lease, snapshot, snapshot.frontier, restore)
 
     def complete_restore(self, restore: Restore) -> None:
-        """The restore's copies landed: destinations become resident, its pins drop."""
+        """The restore's copies landed (and the lane copied the image and tail out)."""
         self._finish(restore)
-        store = self.store
         for copy in restore.blocks:
-            store.pages.set_state(copy.page, PageState.FILLING, PageState.CACHED)
-            copy.node.device = Residency.RESIDENT
-        snapshot = restore.snapshot
+            self.store.land_device(copy.node)
         if restore.tail is not None:
-            store.pages.set_state(restore.tail[1], PageState.FILLING, PageState.CACHED)
-            snapshot.tail_device = Residency.RESIDENT
-        store.pin_snapshot(snapshot, -1)
+            self.store.land_tail_device(restore.snapshot)
+        self.store.pin_snapshot(restore.snapshot, -1)
 
     # -- active pages -----------------------------------------------------------------------
 
@@ -188,8 +171,7 @@ class PrefixIndex:
         """Return a sequence's private (duplicate, growth) pages."""
         pages = list(pages)
         for page in pages:
-            if self.store.pages.state(page) is not PageState.ACTIVE:
-                raise ValueError(f"page {page} is not a sequence's private page")
+            self._check_private(page)
         self.store.advance()
         self.store.pages.free(pages)
 
@@ -205,9 +187,8 @@ class PrefixIndex:
             raise ValueError(f"a block holds {BLOCK_TOKENS} tokens, got {len(packed) // 4}")
         if not 0 <= extra < 1 << 64:
             raise ValueError(f"extra key must be an unsigned 64-bit value, got {extra}")
+        self._check_private(page)
         store = self.store
-        if store.pages.state(page) is not PageState.ACTIVE:
-            raise ValueError(f"page {page} is not a sequence's private page")
         store.advance()
         node = store.tree.child(lease.parent, packed, extra)
         if node is None:
@@ -221,8 +202,7 @@ class PrefixIndex:
             outcome = CommitOutcome.DUPLICATE
             self.stats.blocks_duplicate += 1
         if outcome is not CommitOutcome.DUPLICATE:
-            store.pages.set_state(page, PageState.ACTIVE, PageState.CACHED)
-            store.attach_device(node, page, Residency.RESIDENT)
+            store.cache_page(node, page)
         store.ref(node, 1)
         lease.path.append(node)
         return CommitResult(node, outcome)
@@ -279,8 +259,8 @@ class PrefixIndex:
             raise ValueError(f"slot {slot} was not taken with take_snapshot_slot")
         if (tail_page is None) != (tail_len == 0):
             raise ValueError("a tail page is required exactly when the frontier has a tail")
-        if tail_page is not None and store.pages.state(tail_page) is not PageState.ACTIVE:
-            raise ValueError(f"tail page {tail_page} is not a sequence's private page")
+        if tail_page is not None:
+            self._check_private(tail_page)
         store.advance()
         self._supersede_lineage(lease, kind, frontier)
         anchor = lease.path[blocks - 1] if blocks else lease.root
@@ -302,11 +282,8 @@ class PrefixIndex:
 
     def complete_snapshot_write(self, write: SnapshotWrite) -> None:
         self._finish(write)
-        snapshot = write.snapshot
-        snapshot.image_host = Residency.RESIDENT
-        if write.tail_slab is not None:
-            snapshot.tail_host = Residency.RESIDENT
-        self.store.pin_snapshot(snapshot, -1)
+        self.store.land_snapshot_host(write.snapshot)
+        self.store.pin_snapshot(write.snapshot, -1)
 
     # -- release ----------------------------------------------------------------------------
 
@@ -327,7 +304,7 @@ class PrefixIndex:
     def complete_block_write(self, write: BlockWrite) -> None:
         self._finish(write)
         for copy in write.copies:
-            copy.node.host = Residency.RESIDENT
+            self.store.land_host(copy.node)
         self.store.pin_path(write.pinned, -1)
 
     # -- maintenance ------------------------------------------------------------------------
@@ -348,9 +325,14 @@ class PrefixIndex:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _check_lease(self, lease: Lease) -> None:
+    @staticmethod
+    def _check_lease(lease: Lease) -> None:
         if lease.released:
             raise ValueError("the lease was already released")
+
+    def _check_private(self, page: PageId) -> None:
+        if self.store.pages.state(page) is not PageState.ACTIVE:
+            raise ValueError(f"page {page} is not a sequence's private page")
 
     def _finish(self, transfer: Transfer) -> None:
         if transfer not in self._in_flight:
@@ -381,20 +363,17 @@ class PrefixIndex:
         if not store.slabs.enabled:
             return None
         geometry = store.value.geometry
-        count = geometry.snapshot_slabs(bool(snapshot.tail))
-        if not store.make_host_room(count, limit=snapshot.priority):
+        if not store.make_host_room(
+            geometry.snapshot_slabs(bool(snapshot.tail)), limit=snapshot.priority
+        ):
             self.stats.host_writes_declined += 1
             return None
         assert snapshot in store.snapshots and snapshot.slot is not None
         image = store.slabs.allocate(geometry.image_slabs, SlabUse.IMAGE)
-        assert image is not None
-        snapshot.image_slabs, snapshot.image_host = tuple(image), Residency.FILLING
-        tail_slab = None
-        if snapshot.tail:
-            tail = store.slabs.allocate(1, SlabUse.TAIL)
-            assert tail is not None
-            tail_slab = tail[0]
-            snapshot.tail_slab, snapshot.tail_host = tail_slab, Residency.FILLING
+        tail = store.slabs.allocate(1, SlabUse.TAIL) if snapshot.tail else []
+        assert image is not None and tail is not None
+        tail_slab = tail[0] if tail else None
+        store.fill_snapshot_host(snapshot, image, tail_slab)
         store.pin_snapshot(snapshot, 1)
         write = SnapshotWrite(snapshot, snapshot.slot, tuple(image), snapshot.tail_page, tail_slab)
         self._in_flight.add(write)
@@ -417,7 +396,7 @@ class PrefixIndex:
         copies = []
         for node, slab in zip(todo, slabs, strict=True):
             assert node.device is Residency.RESIDENT and node.device_page is not None
-            store.attach_host(node, slab)
+            store.fill_host(node, slab)
             copies.append(BlockCopy(node, node.device_page, slab))
         store.pin_path(todo[-1], 1)
         write = BlockWrite(tuple(copies), todo[-1])

@@ -101,18 +101,63 @@ class CacheStore:
         self.pin_path(snapshot.anchor, delta)
         self.sync_tail(snapshot)
 
-    # -- node copies ------------------------------------------------------------------------
+    # -- copies: a destination is Filling until its transfer lands ---------------------------
 
-    def attach_device(self, node: BlockNode, page: PageId, state: Residency) -> None:
-        node.device_page = page
-        node.device = state
+    def cache_page(self, node: BlockNode, page: PageId) -> None:
+        """A sequence's committed page becomes the node's device copy (inserted or adopted)."""
+        self.pages.set_state(page, PageState.ACTIVE, PageState.CACHED)
+        node.device_page, node.device = page, Residency.RESIDENT
         self.sync_node(node)
 
-    def attach_host(self, node: BlockNode, slab: SlabId) -> None:
-        """A write-through destination: Filling until ``complete_host``."""
-        node.host_slab = slab
-        node.host = Residency.FILLING
+    def fill_device(self, node: BlockNode) -> PageId:
+        """A device page to restore a host-only node into (room was made by the caller)."""
+        (page,) = self.pages.allocate(1, PageState.FILLING)
+        node.device_page, node.device = page, Residency.FILLING
+        self.sync_node(node)
+        return page
+
+    def land_device(self, node: BlockNode) -> None:
+        assert node.device is Residency.FILLING and node.device_page is not None
+        self.pages.set_state(node.device_page, PageState.FILLING, PageState.CACHED)
+        node.device = Residency.RESIDENT
+        self.sync_node(node)
+
+    def fill_host(self, node: BlockNode, slab: SlabId) -> None:
+        """A write-through destination for a device-resident node."""
+        node.host_slab, node.host = slab, Residency.FILLING
         self._resize_owner(node, self.value.geometry.block_bytes)
+        self.sync_node(node)
+
+    def land_host(self, node: BlockNode) -> None:
+        assert node.host is Residency.FILLING
+        node.host = Residency.RESIDENT
+        self.sync_node(node)
+
+    def fill_tail_device(self, snapshot: Snapshot) -> PageId:
+        (page,) = self.pages.allocate(1, PageState.FILLING)
+        snapshot.tail_page, snapshot.tail_device = page, Residency.FILLING
+        self.sync_tail(snapshot)
+        return page
+
+    def land_tail_device(self, snapshot: Snapshot) -> None:
+        assert snapshot.tail_device is Residency.FILLING and snapshot.tail_page is not None
+        self.pages.set_state(snapshot.tail_page, PageState.FILLING, PageState.CACHED)
+        snapshot.tail_device = Residency.RESIDENT
+        self.sync_tail(snapshot)
+
+    def fill_snapshot_host(
+        self, snapshot: Snapshot, image: list[SlabId], tail: SlabId | None
+    ) -> None:
+        snapshot.image_slabs, snapshot.image_host = tuple(image), Residency.FILLING
+        if tail is not None:
+            snapshot.tail_slab, snapshot.tail_host = tail, Residency.FILLING
+
+    def land_snapshot_host(self, snapshot: Snapshot) -> None:
+        assert snapshot.image_host is Residency.FILLING
+        snapshot.image_host = Residency.RESIDENT
+        if snapshot.tail_slab is not None:
+            snapshot.tail_host = Residency.RESIDENT
+        self.sync_tail(snapshot)
 
     def drop_node_device(self, node: BlockNode) -> None:
         assert not node.held and node.device is Residency.RESIDENT and node.device_page is not None

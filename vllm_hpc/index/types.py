@@ -22,7 +22,6 @@ SnapshotId = NewType("SnapshotId", int)
 PageId = NewType("PageId", int)
 SlabId = NewType("SlabId", int)
 SlotId = NewType("SlotId", int)
-BlockHash = NewType("BlockHash", int)
 Tick = NewType("Tick", int)
 
 TICK_ZERO = Tick(0)

@@ -1,0 +1,25 @@
+"""The `vllm.general_plugins` entry point.
+
+vLLM calls `register()` in every process it starts (the CLI, the engine core, each worker),
+possibly more than once, so it must be idempotent and cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm_hpc")
+
+
+def register() -> None:
+    from vllm_hpc.glue import UnsupportedVLLMVersion, check_vllm_version
+
+    try:
+        check_vllm_version()
+    except UnsupportedVLLMVersion as error:
+        # Refusing to start vLLM would also break users who never select the plugin.
+        logger.error("%s The vllm_hpc plugin is disabled.", error)
+        return
+    from vllm_hpc.glue.engine_args import install_engine_args_hooks
+
+    install_engine_args_hooks()

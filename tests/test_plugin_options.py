@@ -1,0 +1,116 @@
+"""The plugin's wiring into vLLM: CLI flags, the additional_config route, refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_hpc.glue.engine_args import merge_cli_options
+from vllm_hpc.options import KVCacheManager, OptionError, PluginOptions
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _parse(argv: list[str]) -> Any:
+    """Parse `vllm serve`-style arguments with vLLM's real parser (plugin loaded)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_flag_reaches_additional_config() -> None:
+    args = _parse(["--model", "m", "--kv-cache-manager", "hybrid-prefix"])
+    assert args.additional_config["kv_cache_manager"] == "hybrid-prefix"
+
+
+def test_flag_absent_leaves_additional_config_alone() -> None:
+    args = _parse(["--model", "m", "--additional-config", '{"gdn_prefill_backend": "triton"}'])
+    assert args.additional_config == {"gdn_prefill_backend": "triton"}
+    assert PluginOptions.from_additional_config(args.additional_config).kv_cache_manager is (
+        KVCacheManager.NATIVE
+    )
+
+
+def test_flag_and_additional_config_must_agree() -> None:
+    with pytest.raises(OptionError, match="--kv-cache-manager"):
+        _parse(
+            [
+                "--model",
+                "m",
+                "--kv-cache-manager",
+                "native",
+                "--additional-config",
+                '{"kv_cache_manager": "hybrid-prefix"}',
+            ]
+        )
+
+
+def test_bad_choice_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--model", "m", "--kv-cache-manager", "bogus"])
+
+
+def test_bad_value_in_additional_config_names_the_option() -> None:
+    with pytest.raises(OptionError, match=r"--kv-cache-manager.*'bogus'"):
+        PluginOptions.from_additional_config({"kv_cache_manager": "bogus"})
+
+
+def test_merge_keeps_vllm_keys() -> None:
+    class Args:
+        kv_cache_manager = "native"
+
+    merged = merge_cli_options(Args(), {"gdn_prefill_backend": "triton"})  # type: ignore[arg-type]
+    assert merged == {"gdn_prefill_backend": "triton", "kv_cache_manager": "native"}
+
+
+def test_llm_api_refuses_hybrid_prefix_until_it_exists(tiny_model_dir: Path) -> None:
+    """Selecting the manager through the Python API fails before any engine starts."""
+    from vllm import LLM
+
+    from vllm_hpc.tiny_model import llm_kwargs
+
+    with pytest.raises(OptionError, match=r"hybrid-prefix.*not available"):
+        LLM(**llm_kwargs(additional_config={"kv_cache_manager": "hybrid-prefix"}))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [str(VENV_BIN / "vllm"), "serve"],
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
+    ],
+    ids=["vllm-serve", "api-server-module"],
+)
+def test_server_help_lists_the_flag(command: list[str]) -> None:
+    result = subprocess.run(
+        [*command, "--help=HybridPrefixCache"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--kv-cache-manager {native,hybrid-prefix}" in result.stdout
+
+
+def test_server_refuses_hybrid_prefix_until_it_exists(tiny_model_dir: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_model_dir),
+            "--skip-tokenizer-init",
+            "--kv-cache-manager",
+            "hybrid-prefix",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "--kv-cache-manager hybrid-prefix" in result.stderr
+    assert "not available" in result.stderr

@@ -1,0 +1,150 @@
+"""The embedded default model: a tiny random-weight Qwen3.5, built locally, no downloads.
+
+Tests, examples and the README's main job run on it. It has the real architecture
+(`Qwen3_5ForCausalLM`: Gated DeltaNet layers plus a full-attention layer), so every cache path
+runs vLLM's real kernels, and it is small enough that a CPU engine starts in seconds.
+
+Why the output head is scaled: at the default initialisation scale the logits of a random
+model are nearly flat (median top-1 margin 0.06 nat), so sampled text is noise. Scaled by 16,
+the median margin is 1 nat. Greedy flips between two prefill chunkings are a different matter:
+they come from one-ulp bf16 differences at near-ties, and scaling does not change them (a
+float's precision is relative). `benchmarks/tiny_model_margin.py` measures both; its results
+are in `benchmarks/results/tiny_model_margin.md`. Exactness tests therefore compare against a
+cold run with the same chunk boundaries (bit-exact), and against vLLM's own cold run within the
+spread that a different chunking gives.
+
+The model is built once per machine into a cache directory keyed by its recipe, and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CACHE_ENV = "VLLM_HPC_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class TinyQwen35Recipe:
+    """Everything that determines the built model's bytes; its hash names the directory."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    # Three Gated DeltaNet layers, then one full-attention layer (Qwen3.5's 3:1 pattern).
+    layer_types: tuple[str, ...] = (
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    )
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    # vLLM's CPU GDN kernel accepts linear key/value head dims of 128 only.
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    max_position_embeddings: int = 32768
+    seed: int = 0
+    # Multiplier of the output head after the standard initialisation (module docstring).
+    lm_head_scale: float = 16.0
+    dtype: str = "bfloat16"
+    # Recurrent state kept in float32 between steps, as the released Qwen3.5 checkpoints ask.
+    mamba_ssm_dtype: str = "float32"
+    recipe_version: int = 1
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+DEFAULT_RECIPE = TinyQwen35Recipe()
+
+
+def cache_root() -> Path:
+    """Where built models live: $VLLM_HPC_CACHE_DIR, else ~/.cache/vllm_hpc."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "vllm_hpc"
+
+
+def tiny_model_path(recipe: TinyQwen35Recipe = DEFAULT_RECIPE) -> Path:
+    """Return the directory of the built model, building it first if needed.
+
+    The build writes into a temporary directory and renames it into place, so concurrent
+    callers (two test processes, a test and the demo) never see a half-written model.
+    """
+    target = cache_root() / "models" / f"tiny-qwen3_5-{recipe.digest()}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        _build(recipe, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=recipe.vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=len(recipe.layer_types),
+        layer_types=list(recipe.layer_types),
+        num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads,
+        head_dim=recipe.head_dim,
+        linear_num_key_heads=recipe.linear_num_key_heads,
+        linear_num_value_heads=recipe.linear_num_value_heads,
+        linear_key_head_dim=recipe.linear_key_head_dim,
+        linear_value_head_dim=recipe.linear_value_head_dim,
+        max_position_embeddings=recipe.max_position_embeddings,
+        tie_word_embeddings=False,
+        dtype=recipe.dtype,
+        mamba_ssm_dtype=recipe.mamba_ssm_dtype,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(recipe.seed)
+        model = Qwen3_5ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(recipe.lm_head_scale)
+    model.to(getattr(torch, recipe.dtype)).save_pretrained(out_dir)
+    (out_dir / "vllm_hpc_recipe.json").write_text(json.dumps(asdict(recipe), indent=1))
+
+
+def llm_kwargs(model_dir: Path | None = None, **overrides: object) -> dict[str, object]:
+    """Keyword arguments for `vllm.LLM` that run the tiny model on this machine.
+
+    Token-id prompts only (no tokenizer), eager mode (fast start-up), and a memory fraction that
+    fits the 24 GiB development machines (on CPU vLLM reads it as a fraction of RAM).
+    """
+    kwargs: dict[str, object] = {
+        "model": str(model_dir or tiny_model_path()),
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": 8192,
+        "gpu_memory_utilization": 0.2,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    kwargs.update(overrides)
+    return kwargs

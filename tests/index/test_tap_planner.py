@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,6 +148,12 @@ def test_realize_takes_flexible_taps_at_chunk_boundaries() -> None:
         (2224, TapSource.LADDER),
         (4272, TapSource.TAIL),
     ]
+
+
+def test_hints_must_be_semantic_positions() -> None:
+    request = TapRequest(num_tokens=100, base=0, hints=[TapHint(50, TapSource.LADDER)])
+    with pytest.raises(ValueError, match="semantic"):
+        TapPlanner(DEFAULT).plan(request)
 
 
 def test_for_engine_resolves_the_spec_defaults() -> None:

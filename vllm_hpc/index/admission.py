@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from itertools import accumulate
 
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.cost_model import CostModel
@@ -127,15 +128,14 @@ def source_options(
     Candidates whose path, image or tail another admission is still filling are skipped.
     """
     n = match.prompt.num_tokens
-    path = match.path
-    host_before = [0]
-    lru_before = [0]
-    usable_depth = len(path)
-    for depth, node in enumerate(path):
-        if node.device is Residency.FILLING and usable_depth == len(path):
-            usable_depth = depth
-        host_before.append(host_before[-1] + (node.device is Residency.ABSENT))
-        lru_before.append(lru_before[-1] + (node in lru))
+    # Prefix counts over the path, as deep as the deepest candidate's anchor.
+    path = match.path[: match.candidates[-1].anchor.depth + 1] if match.candidates else []
+    states = [node.device for node in path]
+    host_before = [0, *accumulate(state is Residency.ABSENT for state in states)]
+    lru_before = [0, *accumulate(node in lru for node in path)]
+    usable_depth = next(
+        (depth for depth, state in enumerate(states) if state is Residency.FILLING), len(path)
+    )
 
     def option(snapshot: Snapshot) -> SourceOption | None:
         blocks = snapshot.anchor.depth + 1

@@ -133,6 +133,8 @@ class TapPlanner:
 
     def plan(self, request: TapRequest) -> list[PlannedTap]:
         """Taps to capture, sorted by position, at most ``max_new_taps`` of them."""
+        if any(not hint.source.exact for hint in request.hints):
+            raise ValueError("hints name semantic positions: explicit, opener or structural")
         accepted: list[PlannedTap] = []
         guards = [*request.existing, request.base]
         for candidate in self._candidates(request):

@@ -56,8 +56,9 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
     return samples
 
 
-def fill_path(index: PrefixIndex, tokens: list[int]) -> None:
-    """Commit every full block of ``tokens`` as one request from the root, then release."""
+def fill_path(index: PrefixIndex, tokens: list[int], tap: int) -> None:
+    """Commit every full block of ``tokens`` as one request from the root, with one tap at
+    ``tap`` (a multiple of 64), then release."""
     prompt = index.prepare_prompt(tokens)
     admission = index.acquire(index.quote(index.match(prompt), lambda f: 0))
     lease = admission.lease
@@ -65,6 +66,9 @@ def fill_path(index: PrefixIndex, tokens: list[int]) -> None:
         pages = index.allocate_pages(1)
         assert pages is not None
         index.commit_block(lease, prompt.block_tokens(block), pages[0])
+    slot = index.take_snapshot_slot(lease, SnapshotKind.TAP, tap)
+    assert slot is not None
+    index.publish_snapshot(lease, kind=SnapshotKind.TAP, frontier=tap, tail_tokens=[], slot=slot)
     write = index.release(lease)
     if write is not None:
         index.complete_block_write(write)
@@ -75,12 +79,12 @@ def bench_match(repeat: int) -> dict[str, float]:
     rng = random.Random(0)
     tokens = [rng.randrange(151_000) for _ in range(n)]
     index = PrefixIndex(IndexConfig(device_pages=4_000, geometry=GEOMETRY, first_page_id=1))
-    start = time.perf_counter()
+    prepare = timed(lambda: index.prepare_prompt(tokens), 5)
     prompt = index.prepare_prompt(tokens)
-    prepare_s = time.perf_counter() - start
-    fill_path(index, tokens)
+    deepest = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    fill_path(index, tokens, tap=deepest)
     match = index.match(prompt)
-    assert len(match.path) == (n - 1) // BLOCK_TOKENS
+    assert len(match.path) == (n - 1) // BLOCK_TOKENS and match.frontiers == [deepest]
     samples = timed(lambda: index.match(prompt), repeat)
     quote = timed(lambda: index.quote(match, lambda f: 0), max(repeat // 4, 5))
     return {
@@ -88,7 +92,7 @@ def bench_match(repeat: int) -> dict[str, float]:
         "median_ms": statistics.median(samples) * 1e3,
         "p90_ms": sorted(samples)[int(0.9 * len(samples))] * 1e3,
         "min_ms": min(samples) * 1e3,
-        "prepare_ms": prepare_s * 1e3,
+        "prepare_ms": statistics.median(prepare) * 1e3,
         "quote_median_ms": statistics.median(quote) * 1e3,
     }
 
@@ -198,9 +202,11 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
         f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()} ({platform.python_implementation()})"
+        f"Python {platform.python_version()} ({platform.python_implementation()}); "
+        f"load average {load} when the run started"
     )
 
 
@@ -209,7 +215,11 @@ def verdict(value: float, target: float) -> str:
 
 
 def report(
-    command: str, match: dict[str, float], evict: dict[str, float], memory: dict[str, float]
+    host: str,
+    command: str,
+    match: dict[str, float],
+    evict: dict[str, float],
+    memory: dict[str, float],
 ) -> str:
     rows = [
         (
@@ -240,7 +250,7 @@ Command (from the repository root):
 
     {command}
 
-Machine: {machine()}.
+Machine: {host}.
 
 The dev box is shared (another engineer's vLLM run may use the same cores), so numbers move by
 tens of percent between runs; medians are reported, with the garbage collector paused.
@@ -252,8 +262,9 @@ tens of percent between runs; medians are reported, with the garbage collector p
 For context (no target):
 
 * `prepare_prompt()` of the 240,000-token prompt (packing and 3,750 xxh3 block hashes, done
-  once per prompt off the scheduler's hot path): {match["prepare_ms"]:.1f} ms.
-* `quote()` on that match (source choice and capacity arithmetic, one pass over the path):
+  once per prompt off the scheduler's hot path), median of 5: {match["prepare_ms"]:.1f} ms.
+* `quote()` on that match, with a snapshot at the deepest block so the source arithmetic
+  passes over the whole path:
   median {match["quote_median_ms"]:.2f} ms.
 * Host eviction with execution: 100 consecutive `make_host_room(free + 1)` calls over
   host-only snapshots (each GDSF deletion is followed by sweeps of the victim's now-dead
@@ -279,7 +290,9 @@ def main() -> None:
     command = ".venv/bin/python benchmarks/index_bench.py" + (
         "" if args.repeat == 200 else f" --repeat {args.repeat}"
     )
+    started_on = machine()
     text = report(
+        started_on,
         command,
         bench_match(args.repeat),
         bench_host_eviction(args.snapshots, args.repeat),

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.index.harness import BLOCK, Harness, make_index, toks
@@ -184,3 +188,13 @@ def test_kinds_are_recorded() -> None:
     prompt = toks(14, 3 * BLOCK + 3)
     pubs = h.run(prompt, taps=[BLOCK], endpoint=True, kind=SnapshotKind.BOUNDARY)
     assert [p.snapshot.kind for p in pubs if p] == [SnapshotKind.BOUNDARY, SnapshotKind.ENDPOINT]
+
+
+def test_the_index_imports_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, vllm_hpc.index; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')]; "
+        "assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -69,14 +69,43 @@ def test_merge_keeps_vllm_keys() -> None:
     assert merged == {"gdn_prefill_backend": "triton", "kv_cache_manager": "native"}
 
 
-def test_llm_api_refuses_hybrid_prefix_until_it_exists(tiny_model_dir: Path) -> None:
-    """Selecting the manager through the Python API fails before any engine starts."""
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"kv_cache_manager": "native", "host_cache_mib": 0}, "--host-cache-mib requires"),
+        ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 512}, "host tier is not"),
+        ({"kv_cache_manager": "hybrid-prefix", "device_snapshot_slots": 0}, "at least 1"),
+        ({"kv_cache_manager": "hybrid-prefix", "cache_tap_ladder": "x"}, "expected an integer"),
+        (
+            {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_tap_ladder": 512},
+            "no effect with --no-prefix-reuse",
+        ),
+    ],
+)
+def test_impossible_options_name_the_option(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(OptionError, match=message):
+        PluginOptions.from_additional_config(config)
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"block_size": 16}, "--block-size 16"),
+        ({"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1}}, "host"),
+    ],
+)
+def test_llm_api_refuses_unsupported_combinations(
+    tiny_model_dir: Path, engine_kwargs: dict[str, Any], message: str
+) -> None:
+    """Refused before any engine starts, with the option named."""
     from vllm import LLM
 
     from vllm_hpc.tiny_model import llm_kwargs
 
-    with pytest.raises(OptionError, match=r"hybrid-prefix.*not available"):
-        LLM(**llm_kwargs(additional_config={"kv_cache_manager": "hybrid-prefix"}))
+    kwargs = {"additional_config": {"kv_cache_manager": "hybrid-prefix"}, **engine_kwargs}
+    with pytest.raises(OptionError, match=message):
+        LLM(**llm_kwargs(**kwargs))
 
 
 @pytest.mark.parametrize(
@@ -95,7 +124,7 @@ def test_server_help_lists_the_flag(command: list[str]) -> None:
     assert "--kv-cache-manager {native,hybrid-prefix}" in result.stdout
 
 
-def test_server_refuses_hybrid_prefix_until_it_exists(tiny_model_dir: Path) -> None:
+def test_server_refuses_an_impossible_option(tiny_model_dir: Path) -> None:
     result = subprocess.run(
         [
             sys.executable,
@@ -106,11 +135,12 @@ def test_server_refuses_hybrid_prefix_until_it_exists(tiny_model_dir: Path) -> N
             "--skip-tokenizer-init",
             "--kv-cache-manager",
             "hybrid-prefix",
+            "--host-cache-mib",
+            "1024",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode != 0
-    assert "--kv-cache-manager hybrid-prefix" in result.stderr
-    assert "not available" in result.stderr
+    assert "--host-cache-mib 1024" in result.stderr

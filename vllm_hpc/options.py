@@ -6,13 +6,13 @@ config hash. The CLI flags that `vllm_hpc.glue.engine_args` adds to `vllm serve`
 another way to fill the same keys, so the Python `LLM` API and the server accept exactly the
 same options with exactly the same checks:
 
-    LLM(model, additional_config={"kv_cache_manager": "hybrid-prefix"})
-    vllm serve MODEL --kv-cache-manager hybrid-prefix
+    LLM(model, additional_config={"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0})
+    vllm serve MODEL --kv-cache-manager hybrid-prefix --host-cache-mib 0
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -31,48 +31,168 @@ class KVCacheManager(StrEnum):
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """One option: its `additional_config` key, its CLI flag and its help text."""
+    """One option: its `additional_config` key, CLI flag, parser and help text."""
 
     key: str
     flag: str
     help: str
+    parse: Callable[[str, Any], Any]
+    """(flag, raw value) -> value; raises OptionError naming the flag."""
     choices: tuple[str, ...] = ()
+    is_flag: bool = False
+    """A boolean switch on the command line (no value)."""
 
 
-KV_CACHE_MANAGER_OPTION = OptionSpec(
-    key="kv_cache_manager",
-    flag="--kv-cache-manager",
-    help=(
-        "Prefix cache for hybrid (Gated DeltaNet + attention) models. 'native' keeps vLLM's "
-        "own caching; 'hybrid-prefix' uses vllm_hpc's cache of 64-token KV blocks and "
-        "recurrent-state snapshots. Python API: additional_config={'kv_cache_manager': ...}. "
-        "(default: native)"
+def _choice(flag: str, value: Any) -> KVCacheManager:
+    choices = [m.value for m in KVCacheManager]
+    if value not in choices:
+        raise OptionError(f"{flag}: {value!r} is not one of {', '.join(choices)}")
+    return KVCacheManager(value)
+
+
+def _count(minimum: int) -> Callable[[str, Any], int | None]:
+    def parse(flag: str, value: Any) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise OptionError(f"{flag}: expected an integer, got {value!r}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise OptionError(f"{flag}: expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise OptionError(f"{flag}: must be at least {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+def _switch(flag: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionError(f"{flag}: expected true or false, got {value!r}")
+    return value
+
+
+_HYBRID_ONLY = "Requires --kv-cache-manager hybrid-prefix."
+
+OPTION_SPECS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        key="kv_cache_manager",
+        flag="--kv-cache-manager",
+        help=(
+            "Prefix cache for hybrid (Gated DeltaNet + attention) models. 'native' keeps "
+            "vLLM's own caching; 'hybrid-prefix' uses vllm_hpc's cache of 64-token KV blocks "
+            "and recurrent-state snapshots. Python API: additional_config={'kv_cache_manager': "
+            "...}. (default: native)"
+        ),
+        parse=_choice,
+        choices=tuple(m.value for m in KVCacheManager),
     ),
-    choices=tuple(m.value for m in KVCacheManager),
+    OptionSpec(
+        key="device_snapshot_slots",
+        flag="--device-snapshot-slots",
+        help=(
+            "Device state slots for snapshots (taps and endpoints), beside one active slot per "
+            "running request. Default: derived from the memory budget and reported at start-up. "
+            + _HYBRID_ONLY
+        ),
+        parse=_count(1),
+    ),
+    OptionSpec(
+        key="cache_taps_per_request",
+        flag="--cache-taps-per-request",
+        help=(
+            "At most this many new snapshots are planned per prompt (default: 8 with a host "
+            "tier, 2 without). " + _HYBRID_ONLY
+        ),
+        parse=_count(0),
+    ),
+    OptionSpec(
+        key="cache_tap_ladder",
+        flag="--cache-tap-ladder",
+        help=(
+            "Tokens G of the geometric tap ladder n - G*2^k (default: max(4096, 2 x prefill "
+            "chunk)). " + _HYBRID_ONLY
+        ),
+        parse=_count(64),
+    ),
+    OptionSpec(
+        key="cache_tap_min_gap",
+        flag="--cache-tap-min-gap",
+        help=(
+            "Minimum tokens between a ladder tap and any other snapshot (default: max(1024, "
+            "prefill chunk)). " + _HYBRID_ONLY
+        ),
+        parse=_count(0),
+    ),
+    OptionSpec(
+        key="host_cache_mib",
+        flag="--host-cache-mib",
+        help=(
+            "Host memory (MiB) for the cache's host tier; 0 keeps the cache on the device only. "
+            "The host tier is not available yet, so only 0 is accepted. " + _HYBRID_ONLY
+        ),
+        parse=_count(0),
+    ),
+    OptionSpec(
+        key="no_prefix_reuse",
+        flag="--no-prefix-reuse",
+        help="Serve without any prefix reuse: nothing is cached or looked up. " + _HYBRID_ONLY,
+        parse=_switch,
+        is_flag=True,
+    ),
 )
 
-OPTION_SPECS: tuple[OptionSpec, ...] = (KV_CACHE_MANAGER_OPTION,)
+_SPECS = {spec.key: spec for spec in OPTION_SPECS}
 
 
 @dataclass(frozen=True)
 class PluginOptions:
-    """The resolved options of one engine."""
+    """The resolved options of one engine (None: derive the default at start-up)."""
 
     kv_cache_manager: KVCacheManager = KVCacheManager.NATIVE
+    device_snapshot_slots: int | None = None
+    cache_taps_per_request: int | None = None
+    cache_tap_ladder: int | None = None
+    cache_tap_min_gap: int | None = None
+    host_cache_mib: int = 0
+    no_prefix_reuse: bool = False
+
+    @property
+    def hybrid_prefix(self) -> bool:
+        return self.kv_cache_manager is KVCacheManager.HYBRID_PREFIX
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> PluginOptions:
         """Read and validate the plugin's keys; other keys belong to vLLM and are ignored."""
         if not isinstance(additional_config, Mapping):
             return cls()
-        return cls(kv_cache_manager=_parse_choice(KV_CACHE_MANAGER_OPTION, additional_config))
+        values: dict[str, Any] = {}
+        for spec in OPTION_SPECS:
+            if spec.key in additional_config:
+                values[spec.key] = spec.parse(spec.flag, additional_config[spec.key])
+        options = cls(**{k: v for k, v in values.items() if v is not None})
+        options._check(set(values))
+        return options
 
-
-def _parse_choice(spec: OptionSpec, config: Mapping[str, Any]) -> KVCacheManager:
-    value = config.get(spec.key, KVCacheManager.NATIVE.value)
-    if value not in spec.choices:
-        raise OptionError(
-            f"{spec.flag} (additional_config[{spec.key!r}]): {value!r} is not one of "
-            f"{', '.join(spec.choices)}"
-        )
-    return KVCacheManager(value)
+    def _check(self, given: set[str]) -> None:
+        if not self.hybrid_prefix:
+            misplaced = sorted(given - {"kv_cache_manager"})
+            if misplaced:
+                raise OptionError(
+                    f"{_SPECS[misplaced[0]].flag} requires --kv-cache-manager hybrid-prefix"
+                )
+            return
+        if self.host_cache_mib:
+            raise OptionError(
+                f"--host-cache-mib {self.host_cache_mib}: the host tier is not available yet; "
+                "use --host-cache-mib 0 (device only)"
+            )
+        if self.no_prefix_reuse:
+            tap_options = sorted(
+                given & {"device_snapshot_slots", "cache_taps_per_request", "cache_tap_ladder"}
+            )
+            if tap_options:
+                raise OptionError(
+                    f"{_SPECS[tap_options[0]].flag} has no effect with --no-prefix-reuse"
+                )

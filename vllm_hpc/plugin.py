@@ -1,7 +1,7 @@
 """The `vllm.general_plugins` entry point.
 
 vLLM calls `register()` in every process it starts (the CLI, the engine core, each worker),
-possibly more than once, so it must be idempotent and cheap.
+possibly more than once, so it must be idempotent and cheap: it imports no model code.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ def register() -> None:
         # Refusing to start vLLM would also break users who never select the plugin.
         logger.error("%s The vllm_hpc plugin is disabled.", error)
         return
-    from vllm_hpc.glue.engine_args import install_engine_args_hooks
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_hpc.glue.architecture import register_models
+    from vllm_hpc.glue.engine_args import CONNECTOR, install_engine_args_hooks
 
     install_engine_args_hooks()
+    register_models()
+    if CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.connector", CONNECTOR)

@@ -1,4 +1,4 @@
-"""Hooks on vLLM's `EngineArgs`: the plugin's CLI flags and its engine-config check.
+"""Hooks on vLLM's `EngineArgs`: the plugin's CLI flags and the engine configuration.
 
 vLLM loads general plugins before it builds its CLI parser (`AsyncEngineArgs.add_cli_args`)
 and before it turns `EngineArgs` into a `VllmConfig` (`create_engine_config`), so wrapping
@@ -7,7 +7,9 @@ and the Python `LLM` API alike:
 
 - `add_cli_args`: adds the plugin's flags in their own help group.
 - `from_cli_args`: moves the parsed flags into `additional_config` (see `vllm_hpc.options`).
-- `create_engine_config`: validates the options before vLLM builds anything.
+- `create_engine_config`: validates the options and, for `hybrid-prefix`, configures vLLM to
+  run the cache: vllm_hpc's model class, 64-token attention blocks, its scheduler and its KV
+  connector (the per-step channel that carries state copies to the workers).
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from vllm_hpc.options import OPTION_SPECS, KVCacheManager, OptionError, PluginOptions
+from vllm_hpc.glue.architecture import ArchitectureOverride
+from vllm_hpc.options import OPTION_SPECS, OptionError, PluginOptions
 
 HELP_GROUP = "HybridPrefixCache"
 HELP_GROUP_DESCRIPTION = "vllm_hpc: the hybrid prefix cache for Qwen3.5 (Gated DeltaNet) models."
+BLOCK_TOKENS = 64
+CONNECTOR = "HybridPrefixConnector"
+SCHEDULERS = {
+    False: "vllm_hpc.glue.scheduler.HybridPrefixScheduler",
+    True: "vllm_hpc.glue.scheduler.HybridPrefixAsyncScheduler",
+}
 
 _installed = False
 
@@ -46,8 +55,15 @@ def install_engine_args_hooks() -> None:
         return engine_args
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        check_engine_options(self.additional_config)
-        return original_create(self, *args, **kwargs)
+        options = PluginOptions.from_additional_config(self.additional_config)
+        if not options.hybrid_prefix:
+            return original_create(self, *args, **kwargs)
+        configure_engine_args(self)
+        vllm_config = original_create(self, *args, **kwargs)
+        # Like vLLM's own diffusion schedulers: chosen once async scheduling is settled.
+        scheduler = vllm_config.scheduler_config
+        scheduler.scheduler_cls = SCHEDULERS[bool(scheduler.async_scheduling)]
+        return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
@@ -61,12 +77,12 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         return
     group = parser.add_argument_group(HELP_GROUP, description=HELP_GROUP_DESCRIPTION)
     for spec in OPTION_SPECS:
+        extra: dict[str, Any] = (
+            {"action": "store_true"} if spec.is_flag else {"choices": spec.choices or None}
+        )
+        # Absent unless given, so a flag never hides an --additional-config key.
         group.add_argument(
-            spec.flag,
-            dest=spec.key,
-            choices=spec.choices or None,
-            default=argparse.SUPPRESS,  # absent unless given, so it never hides additional_config
-            help=spec.help,
+            spec.flag, dest=spec.key, default=argparse.SUPPRESS, help=spec.help, **extra
         )
 
 
@@ -78,10 +94,10 @@ def merge_cli_options(args: argparse.Namespace, additional_config: Any) -> dict[
     """
     merged = dict(additional_config or {})
     for spec in OPTION_SPECS:
-        value = getattr(args, spec.key, None)
-        if value is None:
+        if not hasattr(args, spec.key):
             continue
-        if spec.key in merged and merged[spec.key] != value:
+        value = spec.parse(spec.flag, getattr(args, spec.key))
+        if spec.key in merged and spec.parse(spec.flag, merged[spec.key]) != value:
             raise OptionError(
                 f"{spec.flag} {value} conflicts with --additional-config "
                 f"{spec.key}={merged[spec.key]!r}; give one of them"
@@ -90,13 +106,27 @@ def merge_cli_options(args: argparse.Namespace, additional_config: Any) -> dict[
     return merged
 
 
-def check_engine_options(additional_config: Any) -> PluginOptions:
-    """Validate the options before vLLM builds its config; refuse what cannot run yet."""
-    options = PluginOptions.from_additional_config(additional_config)
-    if options.kv_cache_manager is KVCacheManager.HYBRID_PREFIX:
+def configure_engine_args(args: Any) -> None:
+    """Set what `hybrid-prefix` needs on the user's `EngineArgs`, refusing what conflicts."""
+    _refuse(args.tensor_parallel_size not in (None, 1), "--tensor-parallel-size > 1")
+    _refuse(args.pipeline_parallel_size not in (None, 1), "--pipeline-parallel-size > 1")
+    _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
+    _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
+    _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
+    if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(
-            "--kv-cache-manager hybrid-prefix: the hybrid prefix cache manager is not "
-            "available in this version of vllm_hpc yet; use --kv-cache-manager native "
-            "(vLLM's own prefix caching)"
+            f"--block-size {args.block_size}: --kv-cache-manager hybrid-prefix caches "
+            f"{BLOCK_TOKENS}-token blocks; leave --block-size unset or set it to {BLOCK_TOKENS}"
         )
-    return options
+    from vllm.config import KVTransferConfig
+
+    args.block_size = BLOCK_TOKENS
+    # The plugin's cache replaces vLLM's prefix caching (and its hybrid "align" state cache).
+    args.enable_prefix_caching = False
+    args.hf_overrides = ArchitectureOverride(args.hf_overrides or None)
+    args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_producer")
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise OptionError(f"--kv-cache-manager hybrid-prefix does not support {what} yet")

@@ -1,0 +1,61 @@
+"""Which model classes serve `hybrid-prefix`, chosen through vLLM's `hf_overrides`.
+
+The classes live in `vllm_hpc.glue.model`; this module stays light (no torch, no model imports)
+because every vLLM process loads it with the plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hpc.options import OptionError
+
+ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": "HybridPrefixQwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "HybridPrefixQwen3_5MoeForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ArchitectureOverride:
+    """`hf_overrides` for hybrid-prefix: serve a Qwen3.5 checkpoint with vllm_hpc's classes.
+
+    Applies the user's own `hf_overrides` first: a callable as vLLM would, a dict by setting
+    attributes (a nested dict updates the attributes of the sub-config it names).
+    """
+
+    user_overrides: Any = None
+
+    def __call__(self, hf_config: Any) -> Any:
+        user = self.user_overrides
+        if callable(user):
+            hf_config = user(hf_config)
+        elif user:
+            for key, value in user.items():
+                target = getattr(hf_config, key, None)
+                if isinstance(value, dict) and target is not None and not isinstance(target, dict):
+                    for sub_key, sub_value in value.items():
+                        setattr(target, sub_key, sub_value)
+                else:
+                    setattr(hf_config, key, value)
+        # vLLM may call this more than once, and first on a config still without architectures.
+        architectures = [a for a in getattr(hf_config, "architectures", None) or [] if a]
+        ours = set(ARCHITECTURES.values())
+        unsupported = [a for a in architectures if a not in ARCHITECTURES and a not in ours]
+        if unsupported:
+            raise OptionError(
+                f"--kv-cache-manager hybrid-prefix serves {', '.join(ARCHITECTURES)}; this "
+                f"model's architectures are {architectures}"
+            )
+        if architectures:
+            hf_config.architectures = [ARCHITECTURES.get(a, a) for a in architectures]
+        return hf_config
+
+
+def register_models() -> None:
+    """Register vllm_hpc's classes under their own names (imported lazily by vLLM)."""
+    from vllm import ModelRegistry
+
+    for ours in ARCHITECTURES.values():
+        ModelRegistry.register_model(ours, f"vllm_hpc.glue.model:{ours}")

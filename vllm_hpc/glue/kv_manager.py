@@ -1,0 +1,301 @@
+"""HybridPrefixKVCacheManager: vLLM's `KVCacheManager` surface over `HybridPrefixCache`.
+
+`Scheduler` builds and calls its KV cache manager directly; `vllm_hpc.glue.scheduler` puts this
+class in its place. It translates vLLM's requests and block lists to the runtime's terms:
+
+- KV cache group "attention" (every full-attention layer): the request's 64-token pages.
+- KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state slot.
+
+Everything vLLM asks of a manager that the cache has no use for (KV events, boundary state
+offloads, external-load bookkeeping) answers "nothing".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.metrics.stats import PrefixCacheStats
+
+from vllm_hpc.glue.model import StateSlotSpec
+from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.options import PluginOptions
+from vllm_hpc.runtime.cache import (
+    HybridPrefixCache,
+    InfeasibleRequest,
+    Lookup,
+    RequestInfo,
+    RuntimeConfig,
+)
+from vllm_hpc.runtime.plan import StateCopy
+from vllm_hpc.runtime.sequence import Sequence
+
+logger = logging.getLogger("vllm_hpc")
+
+BREAKPOINTS_KEY = "cache_breakpoints"
+"""`SamplingParams.extra_args` key (OpenAI API: `vllm_xargs`) naming client reuse points."""
+
+
+@dataclass
+class _NoCoordinator:
+    """vLLM reads `coordinator.single_type_managers` for per-group block sizes; none apply."""
+
+    single_type_managers: list[Any] = field(default_factory=list)
+
+
+class HybridPrefixKVCacheManager:
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        *,
+        vllm_config: Any,
+        log_stats: bool = False,
+        **_unused: Any,
+    ) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        self._num_groups = len(groups)
+        self._state_groups = [
+            i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+        attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+        state_spec = groups[self._state_groups[0]].kv_cache_spec
+        assert isinstance(state_spec, StateSlotSpec), "model must be vllm_hpc's Qwen3.5 class"
+        assert len(attention) == 1, "one full-attention KV cache group expected"
+        page_bytes = attention[0].kv_cache_spec.page_size_bytes * len(attention[0].layer_names)
+        options = PluginOptions.from_additional_config(vllm_config.additional_config)
+        chunk = vllm_config.scheduler_config.max_num_batched_tokens
+        policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=options.host_cache_mib > 0)
+        policy = _with_overrides(policy, options)
+        self.cache = HybridPrefixCache(
+            RuntimeConfig(
+                index=IndexConfig(
+                    device_pages=kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
+                    first_page_id=1,
+                    snapshot_slots=state_spec.snapshot_slots,
+                    geometry=HostGeometry(page_bytes, state_spec.image_bytes),
+                ),
+                active_slots=state_spec.active_slots,
+                tap_policy=policy,
+                chunk_tokens=chunk,
+                prefix_reuse=not options.no_prefix_reuse,
+            )
+        )
+        self.active_slots = state_spec.active_slots
+        self.max_model_len = max_model_len
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.coordinator = _NoCoordinator()
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self.sequences: dict[str, Sequence] = {}
+        self._lookups: dict[str, Lookup] = {}
+        self.infeasible: dict[str, str] = {}
+        """Requests that can never fit, with the reason: the scheduler fails them."""
+        self._state_copies: list[StateCopy] = []
+        logger.info(
+            "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
+            "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d%s",
+            kv_cache_config.num_blocks - 1,
+            page_bytes / 1024,
+            state_spec.active_slots,
+            state_spec.snapshot_slots,
+            state_spec.image_bytes / 2**20,
+            policy.max_new_taps,
+            policy.ladder_tokens,
+            policy.min_gap_tokens,
+            ", prefix reuse off" if options.no_prefix_reuse else "",
+        )
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        self.cache.new_step()
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """Hand out this step's plan: page copies to vLLM, state copies to the connector."""
+        plan = self.cache.take_plan()
+        self._state_copies = plan.state_copies
+        return [KVCacheBlockCopy(c.src, c.dst) for c in plan.page_copies], []
+
+    def take_state_copies(self) -> list[StateCopy]:
+        copies, self._state_copies = self._state_copies, []
+        return copies
+
+    def take_new_block_ids(self) -> list[int]:
+        return list(self.cache.take_new_pages())
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def take_events(self) -> list[Any]:
+        return []
+
+    # -- admission --------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """Tokens the cache serves for a waiting request (its pages come in `get_blocks`)."""
+        try:
+            lookup = self.cache.lookup(request_info(request))
+        except InfeasibleRequest as error:
+            self.infeasible[request.request_id] = str(error)
+            return self.empty_kv_cache_blocks, 0, 0
+        self._lookups[request.request_id] = lookup
+        return self.empty_kv_cache_blocks, lookup.frontier, 0
+
+    def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
+        """The chunk [start, start + n) shortened to end at the request's next exact tap."""
+        seq = self.sequences.get(request.request_id)
+        lookup = self._lookups.get(request.request_id)
+        taps = seq.taps if seq is not None else lookup.taps if lookup is not None else []
+        return self.cache.chunk_limit(taps, start, num_new_tokens)
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        **_unused: Any,
+    ) -> KVCacheBlocks | None:
+        """Pages (and, for a new request, the source and a state slot) for the next chunk;
+        None when there is no room now. Returns the newly allocated pages only."""
+        rid = request.request_id
+        seq = self.sequences.get(rid)
+        if seq is None:
+            if rid in self.infeasible:
+                return None
+            lookup = self._lookups.pop(rid, None)
+            if lookup is None or lookup.frontier != num_new_computed_tokens:
+                lookup = self.cache.lookup(request_info(request))
+            seq = self.cache.admit(
+                request_info(request), lookup, num_new_tokens, num_lookahead_tokens
+            )
+            if seq is None:
+                return None
+            self.sequences[rid] = seq
+            self._schedule(seq, request, seq.base, num_new_tokens)
+            return self.get_blocks(rid)
+        start = request.num_computed_tokens
+        end = min(start + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        pages = self.cache.grow(seq, end)
+        if pages is None:
+            return None
+        self._schedule(seq, request, start, num_new_tokens)
+        return self._blocks(pages, None)
+
+    def _schedule(self, seq: Sequence, request: Any, start: int, num_new_tokens: int) -> None:
+        if num_new_tokens:
+            self.cache.on_scheduled(seq, request.all_token_ids, start, start + num_new_tokens)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        seq = self.sequences[request_id]
+        return self._blocks(seq.pages, seq.slot)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        return self.get_block_ids(request_id)
+
+    def _blocks(self, pages: Iterable[int], slot: int | None) -> KVCacheBlocks:
+        """Pages for the attention group; the state slot (if given) for every GDN group."""
+        state = (KVCacheBlock(slot),) if slot is not None else ()
+        attention = tuple(KVCacheBlock(page) for page in pages)
+        return KVCacheBlocks(
+            tuple(state if i in self._state_groups else attention for i in range(self._num_groups))
+        )
+
+    # -- after steps ------------------------------------------------------------------------
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Tokens [0, n) of the request are in KV and state: commit blocks, publish taps."""
+        seq = self.sequences.get(request.request_id)
+        if seq is not None:
+            self.cache.commit(seq, request.all_token_ids, num_computed_tokens)
+
+    def free(self, request: Any) -> None:
+        """The request finished, was aborted or preempted: endpoint snapshot and release."""
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self.infeasible.pop(rid, None)
+        seq = self.sequences.pop(rid, None)
+        if seq is not None:
+            self.cache.finish(seq, request.all_token_ids, request.num_computed_tokens)
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        self.free(request)
+        return []
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        return []
+
+    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.cache.usage
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if self.prefix_cache_stats is None or request.skip_reading_prefix_cache:
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        return 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.cache.reset()
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return [0] * self._num_groups
+
+
+def request_info(request: Any) -> RequestInfo:
+    """What the runtime needs of a vLLM `Request`."""
+    params = request.sampling_params
+    extra = (params.extra_args or {}) if params is not None else {}
+    breakpoints = tuple(int(p) for p in extra.get(BREAKPOINTS_KEY, ()))
+    return RequestInfo(
+        request_id=request.request_id,
+        token_ids=request.all_token_ids,
+        num_prompt_tokens=request.num_prompt_tokens,
+        cache_salt=request.cache_salt,
+        breakpoints=breakpoints,
+        read_cache=not request.skip_reading_prefix_cache,
+    )
+
+
+def _with_overrides(policy: TapPolicy, options: PluginOptions) -> TapPolicy:
+    """The §14.2 defaults, with the user's tap options where given."""
+    taps, ladder, gap = (
+        options.cache_taps_per_request,
+        options.cache_tap_ladder,
+        options.cache_tap_min_gap,
+    )
+    return replace(
+        policy,
+        max_new_taps=policy.max_new_taps if taps is None else taps,
+        ladder_tokens=policy.ladder_tokens if ladder is None else ladder,
+        min_gap_tokens=policy.min_gap_tokens if gap is None else gap,
+    )

@@ -1,0 +1,144 @@
+"""Qwen3.5 model classes for the hybrid prefix cache.
+
+They are vLLM's own Qwen3.5 classes with two changes, registered under their own architecture
+names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes:
+
+- `is_hybrid = False`: vLLM then neither inflates the attention block to the size of a state
+  page nor switches on its "align" state caching. Attention KV stays in 64-token pages.
+- Every Gated DeltaNet layer becomes a `HybridPrefixGDN`, whose states live in the worker's
+  `StatePool` instead of vLLM's KV block pool. Its KV-cache spec is a one-byte `StateSlotSpec`:
+  vLLM still builds GDN metadata for it, the "block id" it hands the layer for a request is the
+  request's state slot, and the spec carries the pool's slot counts to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+
+from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.options import OptionError, PluginOptions
+
+logger = logging.getLogger("vllm_hpc")
+
+ACTIVE_SHARE = 0.10
+"""Default cap on active state slots: this share of the device memory budget."""
+SNAPSHOT_SHARE = 0.10
+"""Default snapshot slots: this share of the device memory budget (at least C + 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSlotSpec(MambaSpec):
+    """The GDN layers' proxy spec: one byte per "block", plus the state pool's geometry."""
+
+    active_slots: int
+    snapshot_slots: int
+    image_bytes: int
+
+
+class HybridPrefixGDN(QwenGatedDeltaNetAttention):
+    """A GDN layer reading and writing its states in the worker's `StatePool`."""
+
+    state_pool: StatePool
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec | None:
+        pool = self.state_pool
+        return StateSlotSpec(
+            shapes=((1,),),
+            dtypes=(torch.int8,),
+            block_size=64,
+            mamba_type=self.mamba_type,
+            mamba_cache_mode="none",
+            active_slots=pool.active_slots,
+            snapshot_slots=pool.snapshot_slots,
+            image_bytes=pool.slot_bytes,
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = self.state_pool.layer(self.prefix)
+
+
+def _gdn_layers(model: torch.nn.Module) -> list[QwenGatedDeltaNetAttention]:
+    return [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+
+
+def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
+    """Size the pool from the options and the memory budget, then adopt the GDN layers."""
+    layers = _gdn_layers(model)
+    image_bytes = sum(
+        _state_bytes(layer.get_state_shape(), layer.get_state_dtype()) for layer in layers
+    )
+    options = PluginOptions.from_additional_config(vllm_config.additional_config)
+    budget = _memory_budget(vllm_config)
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
+    spare = 2 if options.host_cache_mib == 0 else 1
+    snapshot = options.device_snapshot_slots
+    if snapshot is None:
+        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
+    needed = (1 + active + snapshot) * image_bytes
+    if needed > budget:
+        raise OptionError(
+            f"--device-snapshot-slots {snapshot}: {1 + active + snapshot} state slots of "
+            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
+            f"{budget / 2**30:.2f} GiB device memory budget"
+        )
+    device = next(model.parameters()).device
+    pool = StatePool(active, snapshot, device)
+    for layer in layers:
+        layer.__class__ = HybridPrefixGDN
+        layer.state_pool = pool
+        pool.add_layer(layer.prefix, layer.get_state_shape(), layer.get_state_dtype())
+    logger.info(
+        "hybrid-prefix state pool: %d active slots (max_num_seqs %d), %d snapshot slots, "
+        "%.2f MiB per state, %.2f GiB in all",
+        active,
+        max_seqs,
+        snapshot,
+        image_bytes / 2**20,
+        pool.total_bytes / 2**30,
+    )
+    return pool
+
+
+def _state_bytes(shapes: Any, dtypes: Any) -> int:
+    return sum(
+        int(torch.Size(shape).numel()) * dtype.itemsize
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+
+
+def _memory_budget(vllm_config: Any) -> int:
+    """Bytes vLLM may use on this device: --kv-cache-memory-bytes, else the utilization share."""
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes:
+        return int(cache.kv_cache_memory_bytes)
+    if torch.cuda.is_available():
+        total = torch.cuda.mem_get_info()[1]
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    return int(total * cache.gpu_memory_utilization)
+
+
+class HybridPrefixQwen3_5ForCausalLM(Qwen3_5ForCausalLM):
+    is_hybrid = False
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        build_state_pool(self, vllm_config)
+
+
+class HybridPrefixQwen3_5MoeForCausalLM(Qwen3_5MoeForCausalLM):
+    is_hybrid = False
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        build_state_pool(self, vllm_config)

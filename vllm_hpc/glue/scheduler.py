@@ -1,0 +1,119 @@
+"""HybridPrefixScheduler: vLLM's scheduler with vllm_hpc's KV cache manager.
+
+`--scheduler-cls` is vLLM's supported way to change what `Scheduler.__init__` builds. The
+subclasses here change four things and leave the scheduling policy (FCFS, chunked prefill,
+preemption) to vLLM:
+
+- the KV cache manager is a `HybridPrefixKVCacheManager`, and no more requests run at once than
+  there are active state slots;
+- a prefill chunk ends at the request's next exact tap (vLLM's hook for its own state
+  alignment, `_mamba_block_aligned_split`, is reused for this);
+- after each step, the tokens a request has computed commit their blocks and publish its taps;
+- a request that can never fit in the device pool is failed with an error.
+
+`HybridPrefixScheduler` extends vLLM's `Scheduler` (CPU, and whenever async scheduling is off);
+`HybridPrefixAsyncScheduler` extends `AsyncScheduler`, vLLM's default on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import vllm.v1.core.sched.scheduler as vllm_scheduler
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.request import RequestStatus
+
+from vllm_hpc.glue.kv_manager import HybridPrefixKVCacheManager
+
+logger = logging.getLogger("vllm_hpc")
+
+
+class _HybridPrefixMixin:
+    """What both scheduler variants add to vLLM's."""
+
+    kv_cache_manager: HybridPrefixKVCacheManager
+    requests: dict[str, Any]
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+    need_mamba_block_aligned_split: bool
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        # `Scheduler.__init__` builds `KVCacheManager(...)` by its module-level name: build ours.
+        original = vllm_scheduler.KVCacheManager
+        vllm_scheduler.KVCacheManager = partial(HybridPrefixKVCacheManager, vllm_config=vllm_config)
+        try:
+            super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
+        finally:
+            vllm_scheduler.KVCacheManager = original
+        slots = self.kv_cache_manager.active_slots
+        self.max_num_running_reqs = min(self.max_num_running_reqs, slots)
+        self.max_num_active_reqs = min(self.max_num_active_reqs, slots)
+        self.need_mamba_block_aligned_split = True
+
+    def _mamba_block_aligned_split(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        """End the chunk at the request's next exact tap (§7.1)."""
+        start = request.num_computed_tokens or (
+            num_new_local_computed_tokens + num_external_computed_tokens
+        )
+        return self.kv_cache_manager.chunk_limit(request, start, num_new_tokens)
+
+    def _free_cow_retained_blocks(self, blocks: list[Any], fence_seq: int) -> None:
+        """The cache retains no vLLM blocks for its page copies: nothing to release."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        manager = self.kv_cache_manager
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished():
+                manager.cache_blocks(request, self._committed_tokens(request))
+        if manager.infeasible:
+            self._fail_infeasible(outputs)
+        return outputs
+
+    def _committed_tokens(self, request: Any) -> int:
+        """Tokens whose KV and state the executed steps have written."""
+        return int(request.num_computed_tokens)
+
+    def _fail_infeasible(self, outputs: dict[int, Any]) -> None:
+        reasons = dict(self.kv_cache_manager.infeasible)
+        for request in self.finish_requests(  # type: ignore[attr-defined]
+            list(reasons), RequestStatus.FINISHED_ERROR
+        ):
+            logger.error("request failed: %s", reasons[request.request_id])
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            outputs.setdefault(request.client_index, _engine_core_outputs()).outputs.append(output)
+
+
+def _engine_core_outputs() -> Any:
+    from vllm.v1.engine import EngineCoreOutputs
+
+    return EngineCoreOutputs()
+
+
+class HybridPrefixScheduler(_HybridPrefixMixin, Scheduler):
+    pass
+
+
+class HybridPrefixAsyncScheduler(_HybridPrefixMixin, AsyncScheduler):
+    def _committed_tokens(self, request: Any) -> int:
+        # Output placeholders are tokens of steps still in flight.
+        return int(request.num_computed_tokens - request.num_output_placeholders)

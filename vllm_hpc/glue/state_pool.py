@@ -1,0 +1,65 @@
+"""The device pool of Gated DeltaNet states: active slots and snapshot slots, per worker.
+
+vLLM keeps a hybrid model's recurrent states in its unified KV block pool, one page per state,
+which forces the attention block up to the size of a state page (hundreds of tokens). The
+hybrid prefix cache keeps them here instead, in tensors of their own, so attention KV can stay
+in 64-token pages. Every GDN layer binds its `(conv, ssm)` views to this pool; a slot index is
+the same in every layer and on every tensor-parallel rank.
+
+Slots: 0 is scratch (vLLM pads unused block-table rows with block id 0), 1..C are the running
+requests' active states, C+1..C+D hold snapshot images.
+
+The pool is allocated when the model is built, before vLLM measures its memory, so vLLM counts
+it as model memory and sizes the KV cache from what is left: KV pages and state slots share
+one budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from vllm_hpc.runtime.plan import StateCopy
+
+
+class StatePool:
+    """Per-layer `(conv, ssm)` tensors of 1 + C + D rows each."""
+
+    def __init__(self, active_slots: int, snapshot_slots: int, device: torch.device) -> None:
+        self.active_slots = active_slots
+        self.snapshot_slots = snapshot_slots
+        self.num_slots = 1 + active_slots + snapshot_slots
+        self.device = device
+        self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def add_layer(
+        self, name: str, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
+    ) -> None:
+        """Allocate (zeroed) one layer's state tensors."""
+        if name in self._layers:
+            raise ValueError(f"state pool already has layer {name}")
+        self._layers[name] = tuple(
+            torch.zeros((self.num_slots, *shape), dtype=dtype, device=self.device)
+            for shape, dtype in zip(shapes, dtypes, strict=True)
+        )
+
+    def layer(self, name: str) -> tuple[torch.Tensor, ...]:
+        return self._layers[name]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over all layers: the size of one snapshot image."""
+        return sum(t[0].numel() * t.element_size() for ts in self._layers.values() for t in ts)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def copy(self, copies: Iterable[StateCopy]) -> None:
+        """Apply slot-to-slot copies one after the other, in order (a later copy sees the
+        result of an earlier one), each over every layer."""
+        for copy in copies:
+            for tensors in self._layers.values():
+                for tensor in tensors:
+                    tensor[copy.dst].copy_(tensor[copy.src])

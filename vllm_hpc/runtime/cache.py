@@ -1,0 +1,472 @@
+"""HybridPrefixCache: one engine's cache runtime, driven by the scheduler (§6, §7, §8).
+
+The scheduler calls it in this order each step::
+
+    new_step()                                   # land last step's restores, publish captures
+    lookup(request) -> Lookup                    # waiting request: source and taps (read-only)
+    chunk_limit(...)                             # a prefill chunk ends at the next exact tap
+    admit(request, lookup, ...) / grow(seq, ...) # pages and state slot, or None: no room now
+    on_scheduled(seq, start, end)                # plan the taps this chunk reaches
+    take_plan() -> StepPlan                      # the copies the workers run before the step
+    ... the step runs ...
+    commit(seq, tokens, n)                       # full blocks join the tree, taps publish
+    finish(seq, tokens, n)                       # endpoint snapshot, release
+
+Timing rules that keep copies exact (every copy of a plan runs before the step's forward pass,
+in order):
+
+- A tap at the end of a chunk copies the state after that chunk, so its copy goes into the
+  *next* plan. A tap at the start of the prompt's final chunk copies it into the current one.
+- A snapshot is published when the blocks below it are committed and its state copy is queued;
+  a restore from it is queued later, so it reads the copied state. A snapshot whose tail page is
+  copied too is published only once that copy's plan was handed out, since vLLM runs the page
+  copies of one step together.
+- Pages a finished request releases may still be read by copies in the pending plan: they
+  return to the pool only after that plan was handed out (quarantine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from vllm_hpc.index import (
+    BLOCK_TOKENS,
+    AdmissionQuote,
+    IndexConfig,
+    PageId,
+    PlannedTap,
+    PrefixIndex,
+    Readiness,
+    Restore,
+    SlotId,
+    SnapshotKind,
+    TapHint,
+    TapPlanner,
+    TapPolicy,
+    TapRequest,
+    TapSource,
+)
+from vllm_hpc.runtime.plan import PageCopy, StateCopy, StepPlan
+from vllm_hpc.runtime.sequence import Capture, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class InfeasibleRequest(ValueError):
+    """The request can never fit in the device KV pool, even with an empty cache."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    index: IndexConfig
+    active_slots: int
+    """C: state slots of running requests (pool ids 1..C; id 0 is the workers' scratch slot)."""
+    tap_policy: TapPolicy
+    chunk_tokens: int
+    """The scheduler's token budget per step: a new request's first chunk is at most this."""
+    prefix_reuse: bool = True
+    """False (--no-prefix-reuse): nothing is looked up, inserted or captured."""
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the runtime needs of a request."""
+
+    request_id: str
+    token_ids: Seq[int]
+    """All tokens so far: the prompt, then generated tokens."""
+    num_prompt_tokens: int
+    cache_salt: str | None = None
+    breakpoints: tuple[int, ...] = ()
+    """Client-named reuse points (token positions): exact Boundary taps (§7.1)."""
+    read_cache: bool = True
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A waiting request's admission source and tap plan; valid until the cache changes."""
+
+    quote: AdmissionQuote | None
+    frontier: int
+    """Tokens served from the cache: the request prefills [frontier, n)."""
+    taps: list[PlannedTap]
+
+
+class HybridPrefixCache:
+    def __init__(self, config: RuntimeConfig) -> None:
+        if config.active_slots <= 0:
+            raise ValueError(f"need at least one active state slot, got {config.active_slots}")
+        self.config = config
+        self.index = PrefixIndex(config.index)
+        self.planner = TapPlanner(config.tap_policy)
+        self._free_slots = list(range(config.active_slots, 0, -1))
+        self._plan = StepPlan()
+        self._deferred = StepPlan()
+        """Copies that must see the state after the step being planned: the next plan's."""
+        self._deferred_captures: list[Capture] = []
+        self._plans_taken = 0
+        self._landing: list[Restore] = []
+        """Restores whose copies are in a plan already handed out; complete at the next step."""
+        self._quarantine: list[tuple[int, list[PageId]]] = []
+        self._retiring: list[Sequence] = []
+        """Finished sequences waiting for their captures to publish before they release."""
+        self._new_pages: list[PageId] = []
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def snapshot_pool_slot(self, slot: SlotId) -> int:
+        """Workers' pool id of index snapshot slot ``slot`` (after the scratch and active slots)."""
+        return 1 + self.config.active_slots + slot
+
+    @property
+    def num_free_active_slots(self) -> int:
+        return len(self._free_slots)
+
+    # -- step boundaries --------------------------------------------------------------------
+
+    def new_step(self) -> None:
+        """Start planning a step: earlier plans were handed out, so their copies precede it."""
+        for restore in self._landing:
+            self.index.complete_restore(restore)
+        self._landing.clear()
+        keep = []
+        for taken_at, pages in self._quarantine:
+            if self._plans_taken > taken_at:
+                self.index.free_pages(pages)
+            else:
+                keep.append((taken_at, pages))
+        self._quarantine = keep
+        self._plan.extend(self._deferred)
+        self._deferred = StepPlan()
+        for capture in self._deferred_captures:
+            self._queued(capture)
+        self._deferred_captures.clear()
+        for seq in list(self._retiring):
+            self._publish_ready(seq)
+            if not seq.captures:
+                self._retiring.remove(seq)
+                self._release(seq)
+
+    def take_plan(self) -> StepPlan:
+        """The copies the workers run before this step's forward pass."""
+        plan, self._plan = self._plan, StepPlan()
+        self._plans_taken += 1
+        return plan
+
+    def take_new_pages(self) -> list[PageId]:
+        """Pages allocated since the last call (vLLM zeroes them before the step's copies)."""
+        pages, self._new_pages = self._new_pages, []
+        return pages
+
+    # -- admission --------------------------------------------------------------------------
+
+    def lookup(self, request: RequestInfo) -> Lookup:
+        """Match the prompt, choose the source and plan the taps (§6.1-6.3, §7.1). Read-only."""
+        n = len(request.token_ids)
+        if not self.config.prefix_reuse:
+            return Lookup(None, 0, [])
+        prompt = self.index.prepare_prompt(request.token_ids, cache_salt=request.cache_salt)
+        match = self.index.match(prompt)
+        if not request.read_cache:
+            match = type(match)(prompt, match.root, [], [])
+        chunk = self.config.chunk_tokens
+
+        def growth(frontier: int) -> int:
+            end = min(n, frontier + chunk)
+            return max(0, _pages(end) - _pages(frontier))
+
+        quote = self.index.quote(match, growth)
+        if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
+            raise InfeasibleRequest(
+                f"request {request.request_id}: {n} tokens need {_pages(n)} KV pages of "
+                f"{BLOCK_TOKENS} tokens; the device pool has {self.config.index.device_pages}"
+            )
+        frontier = quote.source.frontier if quote.source is not None else 0
+        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints]
+        # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
+        # lets the next request sharing this prefix resume there.
+        junction = match.matched_tokens
+        if frontier < junction <= request.num_prompt_tokens - 1:
+            hints.append(TapHint(junction, TapSource.STRUCTURAL))
+        snapshot = quote.source.snapshot if quote.source is not None else None
+        taps = self.planner.plan(
+            TapRequest(
+                num_tokens=request.num_prompt_tokens,
+                base=frontier,
+                hints=hints,
+                existing=match.frontiers,
+                resumed_from_endpoint=snapshot is not None
+                and snapshot.kind is SnapshotKind.ENDPOINT,
+            )
+        )
+        return Lookup(quote, frontier, _aligned_tail(taps, frontier, match.frontiers))
+
+    def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
+        """Shorten a chunk starting at ``start`` so it ends at the next exact tap, if any."""
+        end = start + num_new_tokens
+        for tap in taps:
+            if tap.exact and start < tap.position < end:
+                return tap.position - start
+        return num_new_tokens
+
+    def admit(
+        self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
+    ) -> Sequence | None:
+        """Take the source, a state slot and pages for the first chunk; None: no room now."""
+        if not self._free_slots:
+            return None
+        frontier = lookup.frontier
+        quote = lookup.quote
+        end = frontier + num_new_tokens + lookahead
+        if quote is not None and quote.readiness is not Readiness.READY:
+            return None
+        need = _pages(end) - frontier // BLOCK_TOKENS
+        if quote is None and need > self.index.available_pages:
+            return None
+        slot = self._free_slots.pop()
+        pages: list[PageId] = []
+        private: set[PageId] = set()
+        lease = None
+        if quote is not None:
+            admission = self.index.acquire(quote)
+            lease = admission.lease
+            pages = [node.device_page for node in lease.path]  # type: ignore[misc]
+            restore = admission.restore
+            if restore is not None:
+                self._plan_restore(restore, slot, pages, private)
+        new = self._allocate(_pages(end) - len(pages))
+        if new is None:
+            raise RuntimeError(f"a quoted admission of {request.request_id} found no pages")
+        pages.extend(new)
+        private.update(new)
+        seq = Sequence(
+            request.request_id,
+            slot,
+            pages,
+            private,
+            lease,
+            frontier,
+            request.num_prompt_tokens,
+            taps=list(lookup.taps),
+            newest_frontier=frontier,
+        )
+        return seq
+
+    def _plan_restore(
+        self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]
+    ) -> None:
+        if restore.blocks or restore.tail is not None or restore.image_slot is None:
+            raise NotImplementedError("host restores arrive with the host tier")
+        self._plan.state_copies.append(StateCopy(self.snapshot_pool_slot(restore.image_slot), slot))
+        if restore.tail_page is not None:
+            cow = self._allocate_one()
+            self._plan.page_copies.append(PageCopy(restore.tail_page, cow))
+            pages.append(cow)
+            private.add(cow)
+        self._landing.append(restore)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> list[PageId] | None:
+        """Pages so the block table covers ``num_tokens`` tokens; None when there is no room."""
+        new = self._allocate(_pages(num_tokens) - len(seq.pages))
+        if new is None:
+            return None
+        seq.pages.extend(new)
+        seq.private.update(new)
+        return new
+
+    def _allocate_one(self) -> PageId:
+        """A page the admission's quote already counted."""
+        pages = self._allocate(1)
+        if not pages:
+            raise RuntimeError("a quoted admission found no page")
+        return pages[0]
+
+    def _allocate(self, count: int) -> list[PageId] | None:
+        if count <= 0:
+            return []
+        pages = self.index.allocate_pages(count)
+        if pages is not None:
+            self._new_pages.extend(pages)
+        return pages
+
+    # -- taps -------------------------------------------------------------------------------
+
+    def on_scheduled(self, seq: Sequence, token_ids: Seq[int], start: int, end: int) -> None:
+        """The chunk [start, end) of ``seq`` runs this step: capture the taps it reaches."""
+        due = [t for t in seq.taps if t.position <= end]
+        if not due or not seq.caching:
+            return
+        seq.taps = [t for t in seq.taps if t.position > end]
+        kind = (
+            SnapshotKind.BOUNDARY
+            if any(t.kind is SnapshotKind.BOUNDARY for t in due)
+            else (SnapshotKind.TAP)
+        )
+        if end < seq.num_prompt_tokens:
+            self._capture(seq, token_ids, end, kind, after_step=True)
+        elif start > seq.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)
+            self._capture(seq, token_ids, start, kind, after_step=False)
+
+    def _capture(
+        self,
+        seq: Sequence,
+        token_ids: Seq[int],
+        frontier: int,
+        kind: SnapshotKind,
+        after_step: bool,
+    ) -> None:
+        assert seq.lease is not None
+        slot = self.index.take_snapshot_slot(seq.lease, kind, frontier)
+        if slot is None:
+            return
+        tail_page = None
+        if frontier % BLOCK_TOKENS:
+            tail = self._allocate(1)
+            if tail is None:
+                self.index.return_snapshot_slot(slot)
+                return
+            tail_page = tail[0]
+        plan = self._deferred if after_step else self._plan
+        plan.state_copies.append(StateCopy(seq.slot, self.snapshot_pool_slot(slot)))
+        if tail_page is not None:
+            plan.page_copies.append(PageCopy(seq.pages[frontier // BLOCK_TOKENS], tail_page))
+        capture = Capture(frontier, kind, slot, _tail(token_ids, frontier), tail_page)
+        seq.captures.append(capture)
+        seq.newest_frontier = max(seq.newest_frontier, frontier)
+        if after_step:
+            self._deferred_captures.append(capture)
+        else:
+            self._queued(capture)
+
+    def _queued(self, capture: Capture) -> None:
+        capture.copies_queued = True
+        if capture.tail_page is not None:
+            capture.page_copy_step = self._plans_taken
+
+    # -- after a step -----------------------------------------------------------------------
+
+    def commit(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
+        """Tokens [0, num_computed) of ``seq`` are in KV and state: commit full blocks (§7.6)
+        and publish the captures they complete (§7.4)."""
+        lease = seq.lease
+        if lease is None:
+            return
+        for block in range(len(lease.path), num_computed // BLOCK_TOKENS):
+            begin = block * BLOCK_TOKENS
+            page = seq.pages[block]
+            result = self.index.commit_block(lease, token_ids[begin : begin + BLOCK_TOKENS], page)
+            if result.page_is_cached:
+                seq.private.discard(page)
+        self._publish_ready(seq)
+
+    def _publish_ready(self, seq: Sequence) -> None:
+        assert seq.lease is not None
+        committed_blocks = len(seq.lease.path)
+        for capture in list(seq.captures):
+            if not capture.copies_queued or capture.frontier // BLOCK_TOKENS > committed_blocks:
+                continue
+            if capture.page_copy_step is not None and capture.page_copy_step >= self._plans_taken:
+                continue
+            seq.captures.remove(capture)
+            self.index.publish_snapshot(
+                seq.lease,
+                kind=capture.kind,
+                frontier=capture.frontier,
+                tail_tokens=capture.tail_tokens,
+                slot=capture.slot,
+                tail_page=capture.tail_page,
+            )
+
+    def finish(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
+        """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
+        commit its blocks, capture its endpoint (§7.7) and release it."""
+        self._free_slots.append(seq.slot)
+        if seq.lease is None:
+            self._release(seq)
+            return
+        self.commit(seq, token_ids, num_computed)
+        if num_computed - seq.newest_frontier >= BLOCK_TOKENS:
+            self._capture_endpoint(seq, token_ids, num_computed)
+        self._publish_ready(seq)
+        if seq.captures:
+            self._retiring.append(seq)
+        else:
+            self._release(seq)
+
+    def _capture_endpoint(self, seq: Sequence, token_ids: Seq[int], frontier: int) -> None:
+        assert seq.lease is not None
+        slot = self.index.take_snapshot_slot(seq.lease, SnapshotKind.ENDPOINT, frontier)
+        if slot is None:
+            return
+        tail_page = None
+        if frontier % BLOCK_TOKENS:
+            tail_page = seq.pages[frontier // BLOCK_TOKENS]  # moves to the snapshot, no copy
+            seq.private.discard(tail_page)
+        self._plan.state_copies.append(StateCopy(seq.slot, self.snapshot_pool_slot(slot)))
+        capture = Capture(
+            frontier,
+            SnapshotKind.ENDPOINT,
+            slot,
+            _tail(token_ids, frontier),
+            tail_page,
+            copies_queued=True,
+        )
+        seq.captures.append(capture)
+        seq.newest_frontier = frontier
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.private:
+            self._quarantine.append((self._plans_taken, sorted(seq.private)))
+            seq.private = set()
+        if seq.lease is not None:
+            self.index.release(seq.lease)
+            seq.lease = None
+
+    # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device pages held by running requests (cached pages count as free)."""
+        capacity = self.config.index.device_pages
+        return 1.0 - self.index.available_pages / capacity
+
+    def reset(self) -> bool:
+        """Drop every cached entry; refused while requests run or copies are pending."""
+        if self._retiring or self._quarantine or self._landing:
+            return False
+        if len(self._free_slots) != self.config.active_slots:
+            return False
+        return self.index.reset()
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS)
+
+
+def _aligned_tail(
+    taps: list[PlannedTap], base: int, existing: Seq[int]
+) -> list[PlannedTap]:
+    """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
+
+    A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt that
+    fits one chunk (most chat turns) would keep no state near its end, and a retry or a next
+    turn that re-renders the reply would recompute the whole prompt. One split at
+    floor64(n - 1) (a pass of at most 64 tokens) keeps reuse >= floor64(n - 1), as the
+    spec's generation-opener tap does for templated chat.
+    """
+    result = []
+    for tap in taps:
+        if tap.source is TapSource.TAIL:
+            position = tap.position - tap.position % BLOCK_TOKENS
+            if position <= base or position in existing:
+                continue
+            tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
+        result.append(tap)
+    return sorted(result, key=lambda t: t.position)
+
+
+def _tail(token_ids: Seq[int], frontier: int) -> list[int]:
+    """The tokens after the last full block below ``frontier``."""
+    return list(token_ids[frontier - frontier % BLOCK_TOKENS : frontier])

@@ -1,0 +1,54 @@
+"""What the runtime keeps per running request, and per snapshot capture in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hpc.index import Lease, PageId, PlannedTap, SlotId, SnapshotKind
+
+
+@dataclass(slots=True, eq=False)
+class Capture:
+    """A snapshot being captured: its state is copied into ``slot`` by a step's plan, then it is
+    published once the blocks below ``frontier`` are committed (§7.4).
+
+    Until then it owns the staged slot and, for a frontier inside a block, the tail page.
+    """
+
+    frontier: int
+    kind: SnapshotKind
+    slot: SlotId
+    tail_tokens: list[int]
+    """Tokens after the last full block below the frontier."""
+    tail_page: PageId | None
+    copies_queued: bool = False
+    """Its copies sit in the plan being built or in one already handed to the workers."""
+    page_copy_step: int | None = None
+    """Plan number carrying its tail page copy: a restore may read the page only later."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One running request: its block table, state slot, cache lease and taps."""
+
+    request_id: str
+    slot: int
+    """Its active state slot in the workers' state pool."""
+    pages: list[PageId]
+    """Block table of the attention group: page of block b at index b."""
+    private: set[PageId]
+    """Pages it owns (not cached): freed when it releases, unless a snapshot took them."""
+    lease: Lease | None
+    """Its hold on the cache; None when the request neither reads nor writes the cache."""
+    base: int
+    """Reuse frontier it resumed from: it prefilled [base, n)."""
+    num_prompt_tokens: int
+    taps: list[PlannedTap] = field(default_factory=list)
+    """Planned prompt taps not yet captured, by position."""
+    captures: list[Capture] = field(default_factory=list)
+    newest_frontier: int = 0
+    """Frontier of its newest snapshot, resumed or captured (endpoint eligibility, §7.7)."""
+
+    @property
+    def caching(self) -> bool:
+        return self.lease is not None

@@ -2,24 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from vllm_hpc.runtime.cache import HybridPrefixCache
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
+
+HYBRID = {"kv_cache_manager": "hybrid-prefix"}
 
 
 @contextmanager
-def running_llm(**overrides: Any) -> Iterator[Any]:
-    """Start a real `vllm.LLM` on the tiny model and shut its engine down afterwards."""
+def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
+    """Start a real `vllm.LLM` on the tiny model and shut its engine down afterwards.
+
+    ``in_process`` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    so a test can inspect the cache's state (`cache_of`) and step the engine itself.
+    """
     from vllm import LLM
 
-    llm = LLM(**llm_kwargs(**overrides))
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(**llm_kwargs(**overrides))
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def cache_of(llm: Any) -> HybridPrefixCache:
+    """The hybrid prefix cache of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
 
 
 def random_prompt(seed: int, length: int) -> list[int]:
@@ -27,12 +49,35 @@ def random_prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(DEFAULT_RECIPE.vocab_size) for _ in range(length)]
 
 
-def greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 32) -> list[Any]:
-    """Greedy-decode each prompt; returns vLLM's RequestOutputs in prompt order."""
+def greedy_params(
+    max_tokens: int = 32, breakpoints: Sequence[int] = (), logprobs: int | None = None
+) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    extra = {"cache_breakpoints": list(breakpoints)} if breakpoints else None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args=extra,
+        logprobs=logprobs,
+    )
+
+
+def greedy(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int = 32,
+    breakpoints: Sequence[int] = (),
+) -> list[Any]:
+    """Greedy-decode each prompt; returns vLLM's RequestOutputs in prompt order."""
+    params = greedy_params(max_tokens, breakpoints)
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+
+
+def tokens(output: Any) -> list[int]:
+    return list(output.outputs[0].token_ids)
 
 
 def counter(llm: Any, name: str) -> float:

@@ -319,6 +319,16 @@ class PrefixIndex:
         self.store = CacheStore(self.config, self.stats)
         return True
 
+    @property
+    def num_leases(self) -> int:
+        """Sequences holding the cache (admitted and not yet released)."""
+        return len(self._leases)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers planned and not yet completed."""
+        return len(self._in_flight)
+
     def check_invariants(self) -> None:
         """Rebuild every derived structure from scratch and compare (raises InvariantError)."""
         check_invariants(self.store, self._leases, self._in_flight)

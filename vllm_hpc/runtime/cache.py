@@ -35,6 +35,7 @@ from vllm_hpc.index import (
     BLOCK_TOKENS,
     AdmissionQuote,
     IndexConfig,
+    InvariantError,
     PageId,
     PlannedTap,
     PrefixIndex,
@@ -48,6 +49,7 @@ from vllm_hpc.index import (
     TapRequest,
     TapSource,
 )
+from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.runtime.plan import PageCopy, StateCopy, StepPlan
 from vllm_hpc.runtime.sequence import Capture, Sequence
 
@@ -103,9 +105,8 @@ class HybridPrefixCache:
         self.planner = TapPlanner(config.tap_policy)
         self._free_slots = list(range(config.active_slots, 0, -1))
         self._plan = StepPlan()
-        self._deferred = StepPlan()
-        """Copies that must see the state after the step being planned: the next plan's."""
-        self._deferred_captures: list[Capture] = []
+        self._deferred: list[tuple[Sequence, Capture]] = []
+        """Captures of the state after the step being planned: their copies join the next plan."""
         self._plans_taken = 0
         self._landing: list[Restore] = []
         """Restores whose copies are in a plan already handed out; complete at the next step."""
@@ -113,6 +114,7 @@ class HybridPrefixCache:
         self._retiring: list[Sequence] = []
         """Finished sequences waiting for their captures to publish before they release."""
         self._new_pages: list[PageId] = []
+        self._live: set[Sequence] = set()
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -138,11 +140,9 @@ class HybridPrefixCache:
             else:
                 keep.append((taken_at, pages))
         self._quarantine = keep
-        self._plan.extend(self._deferred)
-        self._deferred = StepPlan()
-        for capture in self._deferred_captures:
-            self._queued(capture)
-        self._deferred_captures.clear()
+        for seq, capture in self._deferred:
+            self._queue(seq, capture)
+        self._deferred.clear()
         for seq in list(self._retiring):
             self._publish_ready(seq)
             if not seq.captures:
@@ -252,6 +252,7 @@ class HybridPrefixCache:
             taps=list(lookup.taps),
             newest_frontier=frontier,
         )
+        self._live.add(seq)
         return seq
 
     def _plan_restore(
@@ -317,33 +318,48 @@ class HybridPrefixCache:
         kind: SnapshotKind,
         after_step: bool,
     ) -> None:
+        """Take a slot (and a tail page) for a snapshot of ``seq`` at ``frontier``. Its copies go
+        into the next plan when they must see the state after the step being planned."""
         assert seq.lease is not None
         slot = self.index.take_snapshot_slot(seq.lease, kind, frontier)
         if slot is None:
             return
-        tail_page = None
+        tail_page = page_copy = None
         if frontier % BLOCK_TOKENS:
-            tail = self._allocate(1)
-            if tail is None:
-                self.index.return_snapshot_slot(slot)
-                return
-            tail_page = tail[0]
-        plan = self._deferred if after_step else self._plan
-        plan.state_copies.append(StateCopy(seq.slot, self.snapshot_pool_slot(slot)))
-        if tail_page is not None:
-            plan.page_copies.append(PageCopy(seq.pages[frontier // BLOCK_TOKENS], tail_page))
-        capture = Capture(frontier, kind, slot, _tail(token_ids, frontier), tail_page)
+            source = seq.pages[frontier // BLOCK_TOKENS]
+            if kind is SnapshotKind.ENDPOINT:  # the finished request's page moves, no copy
+                tail_page = source
+                seq.private.discard(source)
+            else:
+                tail = self._allocate(1)
+                if tail is None:
+                    self.index.return_snapshot_slot(slot)
+                    return
+                tail_page = tail[0]
+                page_copy = PageCopy(source, tail_page)
+        capture = Capture(
+            frontier,
+            kind,
+            slot,
+            _tail(token_ids, frontier),
+            tail_page,
+            StateCopy(seq.slot, self.snapshot_pool_slot(slot)),
+            page_copy,
+        )
         seq.captures.append(capture)
-        seq.newest_frontier = max(seq.newest_frontier, frontier)
         if after_step:
-            self._deferred_captures.append(capture)
+            self._deferred.append((seq, capture))
         else:
-            self._queued(capture)
+            self._queue(seq, capture)
 
-    def _queued(self, capture: Capture) -> None:
-        capture.copies_queued = True
-        if capture.tail_page is not None:
+    def _queue(self, seq: Sequence, capture: Capture) -> None:
+        """Put the capture's copies into the plan being built."""
+        seq.newest_frontier = max(seq.newest_frontier, capture.frontier)
+        self._plan.state_copies.append(capture.state_copy)
+        if capture.page_copy is not None:
+            self._plan.page_copies.append(capture.page_copy)
             capture.page_copy_step = self._plans_taken
+        capture.copies_queued = True
 
     # -- after a step -----------------------------------------------------------------------
 
@@ -382,39 +398,29 @@ class HybridPrefixCache:
     def finish(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it."""
+        self._live.remove(seq)
         self._free_slots.append(seq.slot)
         if seq.lease is None:
             self._release(seq)
             return
+        for capture in [c for c in seq.captures if c.frontier > num_computed]:
+            self._drop(seq, capture)  # a chunk that was planned but never ran (preemption)
         self.commit(seq, token_ids, num_computed)
         if num_computed - seq.newest_frontier >= BLOCK_TOKENS:
-            self._capture_endpoint(seq, token_ids, num_computed)
+            self._capture(seq, token_ids, num_computed, SnapshotKind.ENDPOINT, after_step=False)
         self._publish_ready(seq)
         if seq.captures:
             self._retiring.append(seq)
         else:
             self._release(seq)
 
-    def _capture_endpoint(self, seq: Sequence, token_ids: Seq[int], frontier: int) -> None:
-        assert seq.lease is not None
-        slot = self.index.take_snapshot_slot(seq.lease, SnapshotKind.ENDPOINT, frontier)
-        if slot is None:
-            return
-        tail_page = None
-        if frontier % BLOCK_TOKENS:
-            tail_page = seq.pages[frontier // BLOCK_TOKENS]  # moves to the snapshot, no copy
-            seq.private.discard(tail_page)
-        self._plan.state_copies.append(StateCopy(seq.slot, self.snapshot_pool_slot(slot)))
-        capture = Capture(
-            frontier,
-            SnapshotKind.ENDPOINT,
-            slot,
-            _tail(token_ids, frontier),
-            tail_page,
-            copies_queued=True,
-        )
-        seq.captures.append(capture)
-        seq.newest_frontier = frontier
+    def _drop(self, seq: Sequence, capture: Capture) -> None:
+        assert not capture.copies_queued
+        seq.captures.remove(capture)
+        self._deferred.remove((seq, capture))
+        self.index.return_snapshot_slot(capture.slot)
+        if capture.tail_page is not None:
+            self.index.free_pages([capture.tail_page])
 
     def _release(self, seq: Sequence) -> None:
         if seq.private:
@@ -425,6 +431,29 @@ class HybridPrefixCache:
             seq.lease = None
 
     # -- reporting --------------------------------------------------------------------------
+
+    def audit(self) -> None:
+        """Check the index's invariants and that every private page, state slot and lease is
+        accounted for by a running request, a pending capture or the quarantine (tests)."""
+        self.index.check_invariants()
+        live = self._live | set(self._retiring)
+        expected = {p for seq in live for p in seq.private}
+        expected |= {p for _, pages in self._quarantine for p in pages}
+        expected |= {c.tail_page for seq in live for c in seq.captures if c.tail_page is not None}
+        active = set(self.index.store.pages.pages_in(PageState.ACTIVE))
+        if active != expected:
+            raise InvariantError(
+                f"private pages: {len(active)} held, {len(expected)} accounted for "
+                f"(leaked {sorted(active - expected)[:8]}, missing {sorted(expected - active)[:8]})"
+            )
+        if len(self._free_slots) + len(self._live) != self.config.active_slots:
+            raise InvariantError(
+                f"active slots: {len(self._free_slots)} free + {len(self._live)} running != "
+                f"{self.config.active_slots}"
+            )
+        leases = sum(seq.lease is not None for seq in live)
+        if self.index.num_leases != leases:
+            raise InvariantError(f"index holds {self.index.num_leases} leases, expected {leases}")
 
     @property
     def usage(self) -> float:
@@ -445,9 +474,7 @@ def _pages(tokens: int) -> int:
     return -(-tokens // BLOCK_TOKENS)
 
 
-def _aligned_tail(
-    taps: list[PlannedTap], base: int, existing: Seq[int]
-) -> list[PlannedTap]:
+def _aligned_tail(taps: list[PlannedTap], base: int, existing: Seq[int]) -> list[PlannedTap]:
     """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
 
     A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt that

@@ -35,7 +35,3 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.state_copies or self.page_copies)
-
-    def extend(self, other: StepPlan) -> None:
-        self.state_copies.extend(other.state_copies)
-        self.page_copies.extend(other.page_copies)

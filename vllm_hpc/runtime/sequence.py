@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_hpc.index import Lease, PageId, PlannedTap, SlotId, SnapshotKind
+from vllm_hpc.runtime.plan import PageCopy, StateCopy
 
 
 @dataclass(slots=True, eq=False)
@@ -21,6 +22,9 @@ class Capture:
     tail_tokens: list[int]
     """Tokens after the last full block below the frontier."""
     tail_page: PageId | None
+    state_copy: StateCopy
+    page_copy: PageCopy | None
+    """The tail's KV, copied from the request's page (an endpoint takes the page itself)."""
     copies_queued: bool = False
     """Its copies sit in the plan being built or in one already handed to the workers."""
     page_copy_step: int | None = None

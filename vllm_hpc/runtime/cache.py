@@ -191,17 +191,18 @@ class HybridPrefixCache:
         if frontier < junction <= request.num_prompt_tokens - 1:
             hints.append(TapHint(junction, TapSource.STRUCTURAL))
         snapshot = quote.source.snapshot if quote.source is not None else None
+        from_endpoint = snapshot is not None and snapshot.kind is SnapshotKind.ENDPOINT
         taps = self.planner.plan(
             TapRequest(
                 num_tokens=request.num_prompt_tokens,
                 base=frontier,
                 hints=hints,
                 existing=match.frontiers,
-                resumed_from_endpoint=snapshot is not None
-                and snapshot.kind is SnapshotKind.ENDPOINT,
+                resumed_from_endpoint=from_endpoint,
             )
         )
-        return Lookup(quote, frontier, _aligned_tail(taps, frontier, match.frontiers))
+        taps = _aligned_tail(taps, frontier, match.frontiers, from_endpoint)
+        return Lookup(quote, frontier, taps)
 
     def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap, if any."""
@@ -474,15 +475,21 @@ def _pages(tokens: int) -> int:
     return -(-tokens // BLOCK_TOKENS)
 
 
-def _aligned_tail(taps: list[PlannedTap], base: int, existing: Seq[int]) -> list[PlannedTap]:
+def _aligned_tail(
+    taps: list[PlannedTap], base: int, existing: Seq[int], resumed_from_endpoint: bool
+) -> list[PlannedTap]:
     """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
 
-    A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt that
-    fits one chunk (most chat turns) would keep no state near its end, and a retry or a next
-    turn that re-renders the reply would recompute the whole prompt. One split at
-    floor64(n - 1) (a pass of at most 64 tokens) keeps reuse >= floor64(n - 1), as the
-    spec's generation-opener tap does for templated chat.
+    A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt whose
+    new tokens fit one chunk (most chat turns) would keep no state near its end, and a retry, or
+    a next turn that re-renders the reply, would recompute all of it. One split at
+    floor64(n - 1) (one more pass of at most 64 tokens) keeps reuse >= floor64(n - 1), as the
+    spec's generation-opener tap does for templated chat. A request resumed from an endpoint
+    keeps the flexible tap: its client echoes replies, so its own endpoint serves the next turn
+    (§7.1).
     """
+    if resumed_from_endpoint:
+        return taps
     result = []
     for tap in taps:
         if tap.source is TapSource.TAIL:

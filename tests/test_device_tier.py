@@ -77,13 +77,15 @@ def served(
     return out
 
 
-def assert_same_up_to_near_tie(out: Any, cold: Any, prompt: Sequence[int]) -> None:
+def assert_same_up_to_near_tie(
+    out: Any, cold: Any, prompt: Sequence[int], answer: int = ANSWER
+) -> None:
     """For requests that ran batched with others: the greedy tokens equal a cold run's alone,
     except that they may part at a position where the cold run's top-1 margin is a near-tie
     (batch composition changes kernel shapes; vLLM's own batched runs part there too)."""
     ref = cold.generate(
         [{"prompt_token_ids": list(prompt)}],
-        greedy_params(ANSWER, logprobs=2),
+        greedy_params(answer, logprobs=2),
         use_tqdm=False,
     )[0].outputs[0]
     got = tokens(out)

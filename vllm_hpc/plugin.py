@@ -24,8 +24,10 @@ def register() -> None:
 
     from vllm_hpc.glue.architecture import register_models
     from vllm_hpc.glue.engine_args import CONNECTOR, install_engine_args_hooks
+    from vllm_hpc.glue.sampling import install_sampling_params_hook
 
     install_engine_args_hooks()
+    install_sampling_params_hook()
     register_models()
     if CONNECTOR not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.connector", CONNECTOR)

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats, TelemetryReader
 from vllm_hpc.runtime.plan import StateCopy
 
 
@@ -32,12 +33,36 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._manager: Any = None
+        self._telemetry = TelemetryReader()
         self._pool: Any = None
 
     # -- scheduler side ---------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
+
+    def get_kv_connector_stats(self) -> HybridPrefixStats | None:
+        """The cache's counters and levels, once per step (`vllm_hpc.glue.metrics`). vLLM asks
+        both sides; only the scheduler side has a cache."""
+        if self._manager is None:
+            return None
+        return self._telemetry.read(self._manager.cache.telemetry())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridPrefixStats:
+        return HybridPrefixStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HybridPrefixPromMetrics:
+        return HybridPrefixPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

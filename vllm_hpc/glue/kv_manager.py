@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.glue.model import StateSlotSpec
+from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import (
@@ -36,9 +37,6 @@ from vllm_hpc.runtime.plan import StateCopy
 from vllm_hpc.runtime.sequence import Sequence
 
 logger = logging.getLogger("vllm_hpc")
-
-BREAKPOINTS_KEY = "cache_breakpoints"
-"""`SamplingParams.extra_args` key (OpenAI API: `vllm_xargs`) naming client reuse points."""
 
 
 @dataclass
@@ -274,8 +272,10 @@ class HybridPrefixKVCacheManager:
 def request_info(request: Any) -> RequestInfo:
     """What the runtime needs of a vLLM `Request`."""
     params = request.sampling_params
-    extra = (params.extra_args or {}) if params is not None else {}
-    breakpoints = tuple(int(p) for p in extra.get(BREAKPOINTS_KEY, ()))
+    try:
+        breakpoints = parse_breakpoints(params.extra_args if params is not None else None)
+    except ValueError:  # validated in the front end; a request must never stop the engine
+        breakpoints = ()
     return RequestInfo(
         request_id=request.request_id,
         token_ids=request.all_token_ids,

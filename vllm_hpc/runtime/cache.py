@@ -52,6 +52,7 @@ from vllm_hpc.index import (
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.runtime.plan import PageCopy, StateCopy, StepPlan
 from vllm_hpc.runtime.sequence import Capture, Sequence
+from vllm_hpc.runtime.telemetry import ADMISSION_COUNTERS, INDEX_COUNTERS, AdmissionCounters
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class HybridPrefixCache:
         """Finished sequences waiting for their captures to publish before they release."""
         self._new_pages: list[PageId] = []
         self._live: set[Sequence] = set()
+        self.admissions = AdmissionCounters()
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -254,6 +256,8 @@ class HybridPrefixCache:
             newest_frontier=frontier,
         )
         self._live.add(seq)
+        self.admissions.prompt_tokens += len(request.token_ids)
+        self.admissions.hit_tokens_device += frontier
         return seq
 
     def _plan_restore(
@@ -432,6 +436,18 @@ class HybridPrefixCache:
             seq.lease = None
 
     # -- reporting --------------------------------------------------------------------------
+
+    def telemetry(self) -> dict[str, int]:
+        """Cumulative counters and current levels (`vllm_hpc.runtime.telemetry`)."""
+        index, store = self.index, self.index.store
+        values = {name: getattr(index.stats, name) for name in INDEX_COUNTERS}
+        values.update({name: getattr(self.admissions, name) for name in ADMISSION_COUNTERS})
+        values["snapshots"] = len(store.snapshots)
+        values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
+        values["active_slots_used"] = len(self._live)
+        values["device_pages_free"] = store.pages.num_free
+        values["device_pages_evictable"] = len(store.lru)
+        return values
 
     def audit(self) -> None:
         """Check the index's invariants and that every private page, state slot and lease is

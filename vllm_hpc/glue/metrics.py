@@ -1,0 +1,157 @@
+"""The cache's metrics in vLLM's stats pipeline: log lines and Prometheus (`/metrics`).
+
+vLLM carries a KV connector's stats from the engine core to the front end every step and hands
+them to the connector class's Prometheus recorder; the hybrid prefix cache reports through its
+connector (`HybridPrefixConnector.get_kv_connector_stats`). Counters travel as increments since
+the previous step, levels as current values.
+
+Prometheus names (in vLLM's namespace, as its own connectors' metrics are, so vLLM's registry
+handling covers them; all with vLLM's `model_name` and `engine` labels):
+- `vllm:hpc_prompt_tokens` and `vllm:hpc_hit_tokens{source="device"}`: admitted prompt tokens
+  and those served from the cache, by source;
+- `vllm:hpc_snapshots_published`, `vllm:hpc_snapshots_duplicate`, `vllm:hpc_taps_skipped`;
+- `vllm:hpc_blocks_committed{outcome="inserted"|"duplicate"}`;
+- `vllm:hpc_evictions{what="page_backed"|"page_unbacked"|"snapshot_slot"|"node"|"snapshot"}`;
+- gauges `vllm:hpc_snapshots`, `vllm:hpc_snapshot_slots_used`, `vllm:hpc_active_slots_used`,
+  `vllm:hpc_device_pages_free`, `vllm:hpc_device_pages_evictable`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
+
+# counter name -> (Prometheus name, documentation, label name, label value)
+_COUNTER_METRICS = {
+    "prompt_tokens": ("vllm:hpc_prompt_tokens", "Prompt tokens of admitted requests", None, None),
+    "hit_tokens_device": (
+        "vllm:hpc_hit_tokens",
+        "Prompt tokens served from the hybrid prefix cache",
+        "source",
+        "device",
+    ),
+    "blocks_inserted": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "inserted"),
+    "blocks_duplicate": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "duplicate"),
+    "snapshots_published": ("vllm:hpc_snapshots_published", "Snapshots published", None, None),
+    "snapshots_duplicate": (
+        "vllm:hpc_snapshots_duplicate",
+        "Snapshot publications that found an identical snapshot",
+        None,
+        None,
+    ),
+    "taps_skipped_no_slot": (
+        "vllm:hpc_taps_skipped",
+        "Taps and endpoints skipped for want of a snapshot slot",
+        None,
+        None,
+    ),
+    "device_evictions_backed": ("vllm:hpc_evictions", "Cache evictions", "what", "page_backed"),
+    "device_evictions_unbacked": ("vllm:hpc_evictions", "Cache evictions", "what", "page_unbacked"),
+    "slot_evictions": ("vllm:hpc_evictions", "Cache evictions", "what", "snapshot_slot"),
+    "nodes_deleted": ("vllm:hpc_evictions", "Cache evictions", "what", "node"),
+    "snapshots_deleted": ("vllm:hpc_evictions", "Cache evictions", "what", "snapshot"),
+}
+_LEVEL_DOCS = {
+    "snapshots": "Snapshots held",
+    "snapshot_slots_used": "Device snapshot slots in use",
+    "active_slots_used": "Active state slots in use (running requests)",
+    "device_pages_free": "Free device KV pages",
+    "device_pages_evictable": "Cached device KV pages no request holds (evictable)",
+}
+
+
+@dataclass
+class HybridPrefixStats(KVConnectorStats):
+    """Counter increments and current levels of one or more engine steps."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for name, value in other.data.items():
+            merged[name] = merged.get(name, 0) + value if name in COUNTERS else value
+        return HybridPrefixStats(merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        summary: dict[str, int | float] = {k: v for k, v in self.data.items() if v}
+        prompt = self.data.get("prompt_tokens", 0)
+        if prompt:
+            summary["hit_rate"] = round(self.data.get("hit_tokens_device", 0) / prompt, 3)
+        return summary
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)
+
+
+class TelemetryReader:
+    """Turns the cache's cumulative counters into per-step increments."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def read(self, values: dict[str, int]) -> HybridPrefixStats | None:
+        data: dict[str, int] = {name: values[name] for name in LEVELS}
+        changed = False
+        for name in COUNTERS:
+            delta = values[name] - self._last.get(name, 0)
+            data[name] = delta
+            changed |= delta != 0
+        if not changed and all(values[n] == self._last.get(n) for n in LEVELS):
+            return None
+        self._last = dict(values)
+        return HybridPrefixStats(data)
+
+
+class HybridPrefixPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        families: dict[str, Any] = {}
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, (metric, doc, label, value) in _COUNTER_METRICS.items():
+            if metric not in families:
+                labels = labelnames + ([label] if label else [])
+                families[metric] = self._counter_cls(
+                    name=metric, documentation=doc, labelnames=labels
+                )
+            family = families[metric]
+            per_engine = {
+                engine: [*values, value] if label else values
+                for engine, values in per_engine_labelvalues.items()
+            }
+            self._counters[name] = create_metric_per_engine(family, per_engine)
+        self._levels = {
+            name: create_metric_per_engine(
+                self._gauge_cls(
+                    name=f"vllm:hpc_{name}",
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in _LEVEL_DOCS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value:
+                self._counters[name][engine_idx].inc(value)
+            elif name in self._levels:
+                self._levels[name][engine_idx].set(value)

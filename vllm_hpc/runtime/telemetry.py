@@ -1,0 +1,44 @@
+"""What the cache reports for monitoring: cumulative counters and current levels.
+
+Read by the vLLM glue once per engine step, so everything here is O(1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class AdmissionCounters:
+    """Tokens of admitted requests, by where their prefix came from."""
+
+    prompt_tokens: int = 0
+    hit_tokens_device: int = 0
+    """Tokens served from a snapshot (and its blocks) resident on the device."""
+
+
+ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device")
+INDEX_COUNTERS = (
+    "blocks_inserted",
+    "blocks_duplicate",
+    "snapshots_published",
+    "snapshots_duplicate",
+    "taps_skipped_no_slot",
+    "device_evictions_backed",
+    "device_evictions_unbacked",
+    "slot_evictions",
+    "nodes_deleted",
+    "snapshots_deleted",
+)
+"""`vllm_hpc.index.CacheStats` fields reported."""
+COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS
+"""Monotonic counters, reported as increments."""
+
+LEVELS = (
+    "snapshots",
+    "snapshot_slots_used",
+    "active_slots_used",
+    "device_pages_free",
+    "device_pages_evictable",
+)
+"""Current values, reported as they are."""

@@ -70,19 +70,20 @@ def served(
     breakpoints: Sequence[int] = (),
     answer: int = ANSWER,
 ) -> Any:
-    """Run ``prompt`` alone on both engines; assert equal greedy tokens; return hybrid's output."""
+    """Run ``prompt`` alone on the cache and check its greedy tokens against a cold run;
+    returns the cache's output."""
     out = greedy(hybrid, [prompt], answer, breakpoints)[0]
-    ref = greedy(cold, [prompt], answer)[0]
-    assert tokens(out) == tokens(ref)
+    assert_same_up_to_near_tie(out, cold, prompt, answer)
     return out
 
 
 def assert_same_up_to_near_tie(
     out: Any, cold: Any, prompt: Sequence[int], answer: int = ANSWER
 ) -> None:
-    """For requests that ran batched with others: the greedy tokens equal a cold run's alone,
-    except that they may part at a position where the cold run's top-1 margin is a near-tie
-    (batch composition changes kernel shapes; vLLM's own batched runs part there too)."""
+    """The greedy tokens equal a cold run's (alone, no cache), except that they may part at a
+    position where the cold run's top-1 margin is a near-tie: there a different computation of
+    the same prefix (a batch of other shapes, a state computed while decoding rather than by a
+    prefill) can round the other way. vLLM's own batched runs part at such positions too."""
     ref = cold.generate(
         [{"prompt_token_ids": list(prompt)}],
         greedy_params(answer, logprobs=2),

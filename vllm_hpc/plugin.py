@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_hpc")
+logger = logging.getLogger("vllm.vllm_hpc")
 
 
 def register() -> None:

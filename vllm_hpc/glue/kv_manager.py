@@ -36,7 +36,7 @@ from vllm_hpc.runtime.cache import (
 from vllm_hpc.runtime.plan import StateCopy
 from vllm_hpc.runtime.sequence import Sequence
 
-logger = logging.getLogger("vllm_hpc")
+logger = logging.getLogger("vllm.vllm_hpc")
 
 
 @dataclass
@@ -68,8 +68,7 @@ class HybridPrefixKVCacheManager:
         page_bytes = attention[0].kv_cache_spec.page_size_bytes * len(attention[0].layer_names)
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
         chunk = vllm_config.scheduler_config.max_num_batched_tokens
-        policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=options.host_cache_mib > 0)
-        policy = _with_overrides(policy, options)
+        policy = tap_policy(options, chunk, state_spec.active_slots, state_spec.snapshot_slots)
         self.cache = HybridPrefixCache(
             RuntimeConfig(
                 index=IndexConfig(
@@ -97,7 +96,8 @@ class HybridPrefixKVCacheManager:
         self._state_copies: list[StateCopy] = []
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
-            "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d%s",
+            "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
+            "taps at every chunk boundary: %s%s",
             kv_cache_config.num_blocks - 1,
             page_bytes / 1024,
             state_spec.active_slots,
@@ -106,6 +106,7 @@ class HybridPrefixKVCacheManager:
             policy.max_new_taps,
             policy.ladder_tokens,
             policy.min_gap_tokens,
+            "yes" if policy.dense_flexible else "no",
             ", prefix reuse off" if options.no_prefix_reuse else "",
         )
 
@@ -286,8 +287,21 @@ def request_info(request: Any) -> RequestInfo:
     )
 
 
-def _with_overrides(policy: TapPolicy, options: PluginOptions) -> TapPolicy:
-    """The §14.2 defaults, with the user's tap options where given."""
+DENSE_SLOTS_PER_ACTIVE = 2
+"""Snapshot slots per active slot from which taps get denser (beyond the spec)."""
+
+
+def tap_policy(options: PluginOptions, chunk: int, active: int, snapshot_slots: int) -> TapPolicy:
+    """The §14.2 defaults, denser when memory allows, with the user's tap options on top.
+
+    Beyond the spec: with at least two snapshot slots per running request, flexible taps are
+    also taken at every prefill chunk boundary and a prompt may leave 8 of them: a flexible tap
+    costs one state copy and no forward pass, and supersession and eviction prune what no
+    request comes back to.
+    """
+    policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=options.host_cache_mib > 0)
+    if snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
+        policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, 8))
     taps, ladder, gap = (
         options.cache_taps_per_request,
         options.cache_tap_ladder,

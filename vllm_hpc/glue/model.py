@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 from vllm_hpc.glue.state_pool import StatePool
 from vllm_hpc.options import OptionError, PluginOptions
 
-logger = logging.getLogger("vllm_hpc")
+logger = logging.getLogger("vllm.vllm_hpc")
 
 ACTIVE_SHARE = 0.10
 """Default cap on active state slots: this share of the device memory budget."""

@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_hpc.glue.kv_manager import HybridPrefixKVCacheManager
 
-logger = logging.getLogger("vllm_hpc")
+logger = logging.getLogger("vllm.vllm_hpc")
 
 
 class _HybridPrefixMixin:

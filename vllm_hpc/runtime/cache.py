@@ -27,7 +27,6 @@ in order):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -53,8 +52,6 @@ from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.runtime.plan import PageCopy, StateCopy, StepPlan
 from vllm_hpc.runtime.sequence import Capture, Sequence
 from vllm_hpc.runtime.telemetry import ADMISSION_COUNTERS, INDEX_COUNTERS, AdmissionCounters
-
-logger = logging.getLogger(__name__)
 
 
 class InfeasibleRequest(ValueError):

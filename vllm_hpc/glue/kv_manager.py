@@ -169,9 +169,8 @@ class HybridPrefixKVCacheManager:
         if seq is None:
             if rid in self.infeasible:
                 return None
-            lookup = self._lookups.pop(rid, None)
-            if lookup is None or lookup.frontier != num_new_computed_tokens:
-                lookup = self.cache.lookup(request_info(request))
+            lookup = self._lookups.pop(rid)  # vLLM looks a waiting request up first
+            assert lookup.frontier == num_new_computed_tokens, "vLLM changed the cached tokens"
             seq = self.cache.admit(
                 request_info(request), lookup, num_new_tokens, num_lookahead_tokens
             )
@@ -229,10 +228,6 @@ class HybridPrefixKVCacheManager:
         if seq is not None:
             self.cache.finish(seq, request.all_token_ids, request.num_computed_tokens)
 
-    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
-        self.free(request)
-        return []
-
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []
 
@@ -265,9 +260,6 @@ class HybridPrefixKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset()
-
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return [0] * self._num_groups
 
 
 def request_info(request: Any) -> RequestInfo:

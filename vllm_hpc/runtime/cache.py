@@ -121,10 +121,6 @@ class HybridPrefixCache:
         """Workers' pool id of index snapshot slot ``slot`` (after the scratch and active slots)."""
         return 1 + self.config.active_slots + slot
 
-    @property
-    def num_free_active_slots(self) -> int:
-        return len(self._free_slots)
-
     # -- step boundaries --------------------------------------------------------------------
 
     def new_step(self) -> None:

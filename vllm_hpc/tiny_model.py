@@ -52,6 +52,10 @@ class TinyQwen35Recipe:
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     max_position_embeddings: int = 32768
+    # Mixture of experts (Qwen3.5-MoE) when num_experts > 0; dense (Qwen3.5) otherwise.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
     seed: int = 0
     # Multiplier of the output head after the standard initialisation (module docstring).
     lm_head_scale: float = 16.0
@@ -66,6 +70,8 @@ class TinyQwen35Recipe:
 
 
 DEFAULT_RECIPE = TinyQwen35Recipe()
+MOE_RECIPE = TinyQwen35Recipe(num_experts=8)
+"""The same, with its MLPs as mixtures of 8 experts (top 2) plus a shared expert."""
 
 
 def cache_root() -> Path:
@@ -99,9 +105,23 @@ def tiny_model_path(recipe: TinyQwen35Recipe = DEFAULT_RECIPE) -> Path:
 
 def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    import transformers
 
-    config = Qwen3_5TextConfig(
+    moe = recipe.num_experts > 0
+    config_cls = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+    model_cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    moe_fields = (
+        {
+            "num_experts": recipe.num_experts,
+            "num_experts_per_tok": recipe.num_experts_per_tok,
+            "moe_intermediate_size": recipe.moe_intermediate_size,
+            "shared_expert_intermediate_size": recipe.moe_intermediate_size,
+        }
+        if moe
+        else {}
+    )
+    config = config_cls(
+        **moe_fields,
         vocab_size=recipe.vocab_size,
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
@@ -122,7 +142,7 @@ def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(recipe.seed)
-        model = Qwen3_5ForCausalLM(config)
+        model = model_cls(config)
     finally:
         torch.random.set_rng_state(generator_state)
     with torch.no_grad():

@@ -91,8 +91,9 @@ class HybridPrefixKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self.sequences: dict[str, Sequence] = {}
         self._lookups: dict[str, Lookup] = {}
-        self.infeasible: dict[str, str] = {}
-        """Requests that can never fit, with the reason: the scheduler fails them."""
+        self.unservable: dict[str, str] = {}
+        """Requests the cache can never serve (too long for the pool, resumable), with the reason:
+        the scheduler fails them."""
         self._state_copies: list[StateCopy] = []
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
@@ -141,7 +142,7 @@ class HybridPrefixKVCacheManager:
         try:
             lookup = self.cache.lookup(request_info(request))
         except InfeasibleRequest as error:
-            self.infeasible[request.request_id] = str(error)
+            self.unservable[request.request_id] = str(error)
             return self.empty_kv_cache_blocks, 0, 0
         self._lookups[request.request_id] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
@@ -167,9 +168,17 @@ class HybridPrefixKVCacheManager:
         rid = request.request_id
         seq = self.sequences.get(rid)
         if seq is None:
-            if rid in self.infeasible:
+            if rid in self.unservable:
                 return None
-            lookup = self._lookups.pop(rid)  # vLLM looks a waiting request up first
+            lookup = self._lookups.pop(rid, None)
+            if lookup is None:
+                # vLLM skips the lookup only for requests that come back with computed tokens
+                # (resumable streaming input); the cache kept no pages for them.
+                self.unservable[rid] = (
+                    f"request {rid}: resumable (streaming input) requests are not supported by "
+                    "--kv-cache-manager hybrid-prefix"
+                )
+                return None
             assert lookup.frontier == num_new_computed_tokens, "vLLM changed the cached tokens"
             seq = self.cache.admit(
                 request_info(request), lookup, num_new_tokens, num_lookahead_tokens
@@ -223,7 +232,8 @@ class HybridPrefixKVCacheManager:
         """The request finished, was aborted or preempted: endpoint snapshot and release."""
         rid = request.request_id
         self._lookups.pop(rid, None)
-        self.infeasible.pop(rid, None)
+        self.unservable.pop(rid, None)
+        self.cache.forget(rid)
         seq = self.sequences.pop(rid, None)
         if seq is not None:
             self.cache.finish(seq, request.all_token_ids, request.num_computed_tokens)

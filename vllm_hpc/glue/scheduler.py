@@ -79,16 +79,16 @@ class _HybridPrefixMixin:
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished():
                 manager.cache_blocks(request, self._committed_tokens(request))
-        if manager.infeasible:
-            self._fail_infeasible(outputs)
+        if manager.unservable:
+            self._fail_unservable(outputs)
         return outputs
 
     def _committed_tokens(self, request: Any) -> int:
         """Tokens whose KV and state the executed steps have written."""
         return int(request.num_computed_tokens)
 
-    def _fail_infeasible(self, outputs: dict[int, Any]) -> None:
-        reasons = dict(self.kv_cache_manager.infeasible)
+    def _fail_unservable(self, outputs: dict[int, Any]) -> None:
+        reasons = dict(self.kv_cache_manager.unservable)
         for request in self.finish_requests(  # type: ignore[attr-defined]
             list(reasons), RequestStatus.FINISHED_ERROR
         ):

@@ -38,6 +38,7 @@ from vllm_hpc.index import (
     PageId,
     PlannedTap,
     PrefixIndex,
+    PreparedPrompt,
     Readiness,
     Restore,
     SlotId,
@@ -113,6 +114,7 @@ class HybridPrefixCache:
         """Finished sequences waiting for their captures to publish before they release."""
         self._new_pages: list[PageId] = []
         self._live: set[Sequence] = set()
+        self._prepared: dict[str, PreparedPrompt] = {}
         self.admissions = AdmissionCounters()
 
     # -- slots ------------------------------------------------------------------------------
@@ -162,7 +164,12 @@ class HybridPrefixCache:
         n = len(request.token_ids)
         if not self.config.prefix_reuse:
             return Lookup(None, 0, [])
-        prompt = self.index.prepare_prompt(request.token_ids, cache_salt=request.cache_salt)
+        prompt = self._prepared.get(request.request_id)
+        if prompt is None or prompt.num_tokens != n:
+            # Hashing is the costly part of a lookup, and a waiting request is looked up again
+            # every step until it is admitted: keep its prepared prompt until then.
+            prompt = self.index.prepare_prompt(request.token_ids, cache_salt=request.cache_salt)
+            self._prepared[request.request_id] = prompt
         match = self.index.match(prompt)
         if not request.read_cache:
             match = type(match)(prompt, match.root, [], [])
@@ -198,6 +205,10 @@ class HybridPrefixCache:
         )
         taps = _aligned_tail(taps, frontier, match.frontiers, from_endpoint)
         return Lookup(quote, frontier, taps)
+
+    def forget(self, request_id: str) -> None:
+        """The request was admitted or left the queue: drop what its lookups kept."""
+        self._prepared.pop(request_id, None)
 
     def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap, if any."""
@@ -249,6 +260,7 @@ class HybridPrefixCache:
             newest_frontier=frontier,
         )
         self._live.add(seq)
+        self.forget(request.request_id)
         self.admissions.prompt_tokens += len(request.token_ids)
         self.admissions.hit_tokens_device += frontier
         return seq

@@ -6,8 +6,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_support import HYBRID, cache_of, greedy, random_prompt, running_llm, tokens
-from test_device_tier import assert_same_up_to_near_tie
+from engine_support import (
+    HYBRID,
+    assert_same_up_to_near_tie,
+    cache_of,
+    greedy,
+    random_prompt,
+    running_llm,
+    tokens,
+)
 
 from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_hpc.glue.architecture import ArchitectureOverride
+from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OPTION_SPECS, OptionError, PluginOptions
 
 HELP_GROUP = "HybridPrefixCache"
 HELP_GROUP_DESCRIPTION = "vllm_hpc: the hybrid prefix cache for Qwen3.5 (Gated DeltaNet) models."
-BLOCK_TOKENS = 64
 CONNECTOR = "HybridPrefixConnector"
 SCHEDULERS = {
     False: "vllm_hpc.glue.scheduler.HybridPrefixScheduler",

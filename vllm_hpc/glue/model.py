@@ -23,6 +23,7 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeFor
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OptionError, PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -58,7 +59,7 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
         return StateSlotSpec(
             shapes=((1,),),
             dtypes=(torch.int8,),
-            block_size=64,
+            block_size=BLOCK_TOKENS,
             mamba_type=self.mamba_type,
             mamba_cache_mode="none",
             active_slots=pool.active_slots,

@@ -32,6 +32,3 @@ class StepPlan:
 
     state_copies: list[StateCopy] = field(default_factory=list)
     page_copies: list[PageCopy] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.state_copies or self.page_copies)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workloads import WORKLOADS, Workload
+from workloads import WORKLOADS, Shape, Workload
 
 from vllm_hpc.tiny_model import llm_kwargs
 
@@ -83,7 +83,7 @@ def replay(llm: Any, workload: Workload, params: Any) -> list[Served]:
     while True:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         answer = list(out.outputs[0].token_ids)
-        margins = [_margin(step) for step in out.outputs[0].logprobs]
+        margins = [margin(step) for step in out.outputs[0].logprobs]
         served.append(Served(prompt, out.num_cached_tokens or 0, answer, margins))
         try:
             prompt = workload.send(answer)
@@ -109,7 +109,7 @@ def run_config(overrides: dict[str, Any], scale: float) -> Run:
     try:
         for name, workload in WORKLOADS.items():
             began = time.perf_counter()
-            served[name] = replay(llm, workload(scale), params)
+            served[name] = replay(llm, workload(Shape(scale=scale)), params)
             seconds[name] = time.perf_counter() - began
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -145,7 +145,7 @@ def source_digest() -> str:
     return digest.hexdigest()[:10]
 
 
-def _margin(step: dict[int, Any]) -> float:
+def margin(step: dict[int, Any]) -> float:
     best = sorted((lp.logprob for lp in step.values()), reverse=True)
     return best[0] - best[1]
 

@@ -48,6 +48,10 @@ class StatePool:
         return self._layers[name]
 
     @property
+    def layer_names(self) -> list[str]:
+        return list(self._layers)
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of one slot over all layers: the size of one snapshot image."""
         return sum(t[0].numel() * t.element_size() for ts in self._layers.values() for t in ts)

@@ -1,0 +1,241 @@
+"""The host tier's data mover on CPU: bit-exact round trips, coalesced runs, scattered images.
+
+The attention KV caches are built by vLLM's own `create_kv_cache_views`, the function its
+workers use to hand each layer its ``[B, H, N, C]`` view, for every `KVCacheLayout`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_hpc.glue.host_arena import HostArena, SlabGrid
+from vllm_hpc.glue.host_layout import DeviceLayout
+from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, HostSlabPool
+
+NUM_PAGES = 12
+ATTENTION = ["model.layers.3.self_attn.attn", "model.layers.7.self_attn.attn"]
+GDN = [f"model.layers.{i}.linear_attn" for i in (0, 1, 2, 4, 5, 6)]
+KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+
+
+def _kv_caches(
+    dtype: torch.dtype, layout: KVCacheLayout, kernel_block_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The attention layers' views over one random int8 buffer, as vLLM's worker makes them."""
+    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=4, dtype=dtype)
+    strides = compute_layout_strides(spec, NUM_PAGES, len(ATTENTION), layout)
+    size = NUM_PAGES * len(ATTENTION) * spec.page_size_bytes
+    generator = torch.Generator().manual_seed(1)
+    raw = torch.randint(-128, 128, (size,), generator=generator, dtype=torch.int8)
+    tensor = KVCacheTensor(
+        size=size, layers=list(ATTENTION), layer_stride=strides[0], block_stride=strides[1]
+    )
+    views = create_kv_cache_views(raw, spec, NUM_PAGES, layout, tensor, kernel_block_size)
+    return dict(zip(ATTENTION, views, strict=True))
+
+
+def _state_pool() -> StatePool:
+    pool = StatePool(active_slots=2, snapshot_slots=3, device=torch.device("cpu"))
+    for index, name in enumerate(GDN):
+        pool.add_layer(name, [(3, 12), (2, 16, 16)], [torch.bfloat16, torch.float32])
+        for tensor in pool.layer(name):
+            generator = torch.Generator().manual_seed(100 + index)
+            tensor.view(torch.uint8).copy_(
+                torch.randint(0, 256, tensor.view(torch.uint8).shape, generator=generator)
+            )
+    return pool
+
+
+def _arena(
+    dtype: torch.dtype = torch.bfloat16,
+    layout: KVCacheLayout = KVCacheLayout.LBHNC,
+    capacity: int = 40,
+    slabs_per_chunk: int = 16,
+    kernel_block_size: int | None = None,
+) -> HostArena:
+    kv = _kv_caches(dtype, layout, kernel_block_size)
+    device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
+    return HostArena(device, SlabGrid(device.geometry, capacity, slabs_per_chunk))
+
+
+def _page_bytes(kv: torch.Tensor, page: int) -> torch.Tensor:
+    return kv[page].contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_blocks_round_trip_bit_exact(dtype: torch.dtype, layout: KVCacheLayout) -> None:
+    kv = _kv_caches(dtype, layout)
+    pool = _state_pool()
+    device = DeviceLayout.bind(kv, NUM_PAGES, pool)
+    arena = HostArena(device, SlabGrid(device.geometry, 40, 16))
+    pages, slabs, targets = [1, 2, 3, 7], [20, 21, 22, 5], [8, 9, 10, 0]
+    before = {name: kv[name].clone() for name in ATTENTION}
+    handle = arena.write(blocks=list(zip(pages, slabs, strict=True)))
+    assert handle.done()
+    restore = arena.restore(blocks=list(zip(slabs, targets, strict=True)))
+    restore.wait_prelude()
+    restore.wait_layer(ATTENTION[0])
+    restore.wait_all()
+    assert restore.done()
+    for name in ATTENTION:
+        for page in range(NUM_PAGES):
+            source = pages[targets.index(page)] if page in targets else page
+            assert torch.equal(_page_bytes(kv[name], page), _page_bytes(before[name], source))
+    assert arena.stats.bytes_written == arena.stats.bytes_restored == 4 * device.block_bytes
+
+
+def test_block_record_is_layer_major_in_forward_order() -> None:
+    kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
+    arena = HostArena(device, SlabGrid(device.geometry, 40, 16))
+    arena.write(blocks=[(4, 9)])
+    page_bytes = device.block_bytes // len(ATTENTION)
+    record = arena.chunks[0][9 * device.geometry.slab_bytes :][: device.block_bytes]
+    assert torch.equal(record[:page_bytes], _page_bytes(kv[ATTENTION[0]], 4))
+    assert torch.equal(record[page_bytes:], _page_bytes(kv[ATTENTION[1]], 4))
+    names = [layer.name for layer in device.layers]
+    assert names == [
+        f"model.layers.{i}.{'linear_attn' if i % 4 != 3 else 'self_attn.attn'}" for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pages", "slabs", "runs"),
+    [
+        ([0, 1, 2, 3], [4, 5, 6, 7], 1),  # one run
+        ([0, 1, 2, 3], [6, 7, 8, 9], 2),  # chunk edge between slabs 7 and 8
+        ([0, 1, 2, 3], [4, 6, 5, 7], 4),  # slabs out of step
+        ([3, 0, 2, 1], [7, 4, 6, 5], 1),  # any order of pairs
+        ([0, 2, 3, 5], [4, 5, 6, 7], 3),  # pages out of step
+    ],
+)
+def test_runs_coalesce_into_one_copy_per_plane(
+    pages: list[int], slabs: list[int], runs: int
+) -> None:
+    arena = _arena(slabs_per_chunk=8)
+    arena.write(blocks=list(zip(pages, slabs, strict=True)))
+    assert arena.stats.copies == runs * len(ATTENTION)
+    arena.restore(blocks=list(zip(slabs, pages, strict=True)))
+    assert arena.stats.copies == 2 * runs * len(ATTENTION)
+
+
+def test_head_outer_layouts_copy_one_plane_per_head() -> None:
+    arena = _arena(layout=KVCacheLayout.LHBNC)
+    arena.write(blocks=[(0, 0), (1, 1)])
+    assert arena.stats.copies == len(ATTENTION) * 2  # two heads, one run
+
+
+def test_kernel_block_views_are_regrouped_into_pages() -> None:
+    kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC, kernel_block_size=16)
+    assert kv[ATTENTION[0]].shape[0] == 4 * NUM_PAGES
+    device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
+    arena = HostArena(device, SlabGrid(device.geometry, 40, 16))
+    whole = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    assert device.block_bytes == DeviceLayout.bind(whole, NUM_PAGES, _state_pool()).block_bytes
+    before = kv[ATTENTION[1]][8:12].clone()
+    arena.write(blocks=[(2, 3)])
+    arena.restore(blocks=[(3, 5)])
+    assert torch.equal(kv[ATTENTION[1]][20:24].view(torch.uint8), before.view(torch.uint8))
+
+
+def _slot_bytes(pool: StatePool, slot: int) -> list[torch.Tensor]:
+    return [t[slot].contiguous().view(torch.uint8).flatten() for n in GDN for t in pool.layer(n)]
+
+
+@pytest.mark.parametrize("slabs_per_chunk", [16, 3])
+def test_image_round_trip_over_scattered_slabs(slabs_per_chunk: int) -> None:
+    kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    pool = _state_pool()
+    device = DeviceLayout.bind(kv, NUM_PAGES, pool)
+    arena = HostArena(device, SlabGrid(device.geometry, 40, slabs_per_chunk))
+    count = device.geometry.image_slabs
+    assert count > 3
+    slabs = [(7 * i + 3) % 40 for i in range(count)]  # scattered over chunks
+    arena.write(images=[(4, slabs)])
+    # the packed image: byte o in slab o // slab_bytes, layers in forward order
+    slab_bytes = device.geometry.slab_bytes
+    packed = torch.cat(
+        [
+            arena.chunks[arena.grid.location(s)[0]][arena.grid.location(s)[1] :][:slab_bytes]
+            for s in slabs
+        ]
+    )
+    assert torch.equal(packed[: device.image_bytes], torch.cat(_slot_bytes(pool, 4)))
+    arena.restore(image=(slabs, 1))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_slot_bytes(pool, 1), _slot_bytes(pool, 4), strict=True)
+    )
+    assert arena.stats.bytes_written == arena.stats.bytes_restored == device.image_bytes
+
+
+def test_consecutive_image_slabs_merge_copies() -> None:
+    scattered, consecutive = _arena(), _arena()
+    count = scattered.layout.geometry.image_slabs
+    scattered.write(images=[(4, list(range(2 * count, 0, -2)))])
+    consecutive.write(images=[(4, list(range(count)))])
+    planes = sum(len(layer.planes) for layer in consecutive.layout.layers if layer.is_state)
+    assert consecutive.stats.copies == planes
+    assert scattered.stats.copies > planes
+
+
+def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    arena = _arena()
+    count = arena.layout.geometry.image_slabs
+    image = list(range(10, 10 + count))
+    kv = {layer.name: layer for layer in arena.layout.layers}
+    arena.write(blocks=[(1, 0), (2, 1), (3, 2)], images=[(4, image)])
+    issued: list[tuple[str | None, int]] = []
+    issue = arena._issue
+
+    def spy(steps, stream_index, events_per_step):  # type: ignore[no-untyped-def]
+        issued.extend((step.layer, len(step.copies)) for step in steps)
+        return issue(steps, stream_index, events_per_step)
+
+    monkeypatch.setattr(arena, "_issue", spy)
+    arena.restore(blocks=[(0, 5), (1, 6)], tail=(2, 9), image=(image, 2))
+    assert issued[0] == (None, len(ATTENTION))  # the tail's page, every attention layer
+    assert [name for name, _ in issued[1:]] == [layer.name for layer in arena.layout.layers]
+    assert all(n > 0 for _, n in issued)
+    assert set(kv) == {name for name, _ in issued[1:]}
+
+
+def test_budget_too_small_names_the_option() -> None:
+    geometry = HostGeometry(block_bytes=3 << 20, image_bytes=40 << 20)
+    with pytest.raises(ValueError, match=r"--host-cache-mib 40 .* at least 48 MiB"):
+        SlabGrid.for_budget(40, geometry)
+    grid = SlabGrid.for_budget(48, geometry)
+    assert grid.capacity == 16
+
+
+def test_grid_matches_the_index_pool() -> None:
+    geometry = HostGeometry(block_bytes=700 << 20, image_bytes=3 << 30)
+    grid = SlabGrid.for_budget(20 << 10, geometry)
+    pool = HostSlabPool(20 << 30, geometry)
+    assert grid.chunk_slabs == pool.chunk_slabs
+    assert grid.slabs_per_chunk == 5
+    assert all(grid.location(s) == pool.location(s) for s in range(pool.capacity))
+    assert all(n * geometry.slab_bytes <= 4 << 30 for n in grid.chunk_slabs)
+
+
+def test_geometry_mismatch_is_refused() -> None:
+    kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
+    other = HostGeometry(device.block_bytes + 2, device.image_bytes)
+    with pytest.raises(ValueError, match="disagree"):
+        HostArena(device, SlabGrid(other, 40, 16))
+
+
+def test_chunks_hold_whole_slabs() -> None:
+    arena = _arena(capacity=40, slabs_per_chunk=16)
+    slab = arena.grid.slab_bytes
+    assert [c.numel() for c in arena.chunks] == [16 * slab, 16 * slab, 8 * slab]

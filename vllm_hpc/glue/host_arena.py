@@ -1,0 +1,380 @@
+"""The host tier's bytes: pinned slab chunks and the copies between them and the device (§5.4).
+
+The index (`HostSlabPool`) decides which slab holds what; this moves the bytes. One block record
+fills one slab, a snapshot image is split over ``image_slabs`` scattered slabs (its packed byte
+``o`` lives in slab ``o // slab_bytes``), and a tail is one block record. The slabs are pinned in
+chunks of whole slabs, at most 4 GiB each, laid out exactly as the index numbers them.
+
+Copies move runs of consecutive pages whose slabs are consecutive in one chunk as one strided
+copy per plane. Write-through batches run on a transfer stream; a restore runs on a restore
+stream in the order a forward pass reads it (the tail's page first, then layer by layer), with
+an event after each part, so the first prefill pass waits per layer and computes while later
+layers still arrive (§6.5, §11.1). Both streams first wait for the compute stream's queued work:
+write sources and restore destinations may be touched by kernels already queued.
+
+On CPU the same plans run synchronously with `copy_` over ordinary memory; waits are no-ops.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_hpc.glue.cudart import CudaRuntime
+from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
+from vllm_hpc.index import HostGeometry, HostSlabPool
+
+
+@dataclass(frozen=True, slots=True)
+class SlabGrid:
+    """How slab ids map onto chunks: ``slab // slabs_per_chunk``, as the index numbers them."""
+
+    geometry: HostGeometry
+    capacity: int
+    slabs_per_chunk: int
+
+    @classmethod
+    def of(cls, pool: HostSlabPool) -> SlabGrid:
+        return cls(pool.geometry, pool.capacity, pool.slabs_per_chunk)
+
+    @classmethod
+    def for_budget(cls, host_cache_mib: int, geometry: HostGeometry) -> SlabGrid:
+        """The grid of a ``--host-cache-mib`` budget, taken from the index's own pool."""
+        slab = geometry.slab_bytes
+        minimum = geometry.snapshot_slabs(has_tail=True) + 1
+        if (host_cache_mib << 20) // slab < minimum:
+            need_mib = -(-minimum * slab // (1 << 20))
+            raise ValueError(
+                f"--host-cache-mib {host_cache_mib} is smaller than one snapshot with its tail "
+                f"plus one block ({minimum} slabs of {slab} bytes: at least {need_mib} MiB); "
+                "use 0 to disable the host tier"
+            )
+        return cls.of(HostSlabPool(host_cache_mib << 20, geometry))
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.geometry.slab_bytes
+
+    @property
+    def chunk_slabs(self) -> tuple[int, ...]:
+        full, rest = divmod(self.capacity, self.slabs_per_chunk)
+        return (self.slabs_per_chunk,) * full + ((rest,) if rest else ())
+
+    def location(self, slab: int) -> tuple[int, int]:
+        """(chunk, byte offset in that chunk) of a slab."""
+        chunk, index = divmod(slab, self.slabs_per_chunk)
+        return chunk, index * self.slab_bytes
+
+
+@dataclass
+class ArenaStats:
+    """Cumulative counters, for metrics and tests."""
+
+    bytes_written: int = 0
+    bytes_restored: int = 0
+    copies: int = 0
+    """Copy calls issued: one per plane per coalesced run, one per image segment."""
+    write_batches: int = 0
+    restore_batches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    storage: torch.Tensor
+    offset: int
+    pitch: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    dst: _Span
+    src: _Span
+    width: int
+    height: int
+
+
+@dataclass
+class _Step:
+    """Copies that land together: one layer's share of a batch (or the restore's prelude)."""
+
+    layer: str | None
+    copies: list[_Copy] = field(default_factory=list)
+
+
+class TransferHandle:
+    """A write-through batch in flight. The caller polls `done()` and then tells the index
+    (``complete_*``): until then sources stay pinned and destinations Filling."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def synchronize(self) -> None:
+        """Block the CPU until the batch has landed (shutdown, tests)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class RestoreHandle(TransferHandle):
+    """A restore batch in flight: events after the prelude and after each layer's copies.
+
+    The waits make the *current* stream wait (`cudaStreamWaitEvent`); they never block the CPU.
+    The lane's first prefill pass calls `wait_prelude` before anything reads the tail page and
+    `wait_layer(name)` just before each layer runs; later passes are stream-ordered behind it.
+    A lane released before its first pass calls `wait_all`: its state slot may still be a
+    destination."""
+
+    def __init__(
+        self,
+        prelude: torch.cuda.Event | None,
+        layers: dict[str, torch.cuda.Event],
+        last: torch.cuda.Event | None,
+    ) -> None:
+        super().__init__(last)
+        self._prelude = prelude
+        self._layers = layers
+
+    def wait_prelude(self) -> None:
+        if self._prelude is not None:
+            torch.cuda.current_stream().wait_event(self._prelude)
+
+    def wait_layer(self, name: str) -> None:
+        event = self._layers.get(name)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def wait_all(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+
+class HostArena:
+    """The slab chunks of one worker and the copies in and out of them."""
+
+    def __init__(self, layout: DeviceLayout, grid: SlabGrid) -> None:
+        if grid.geometry != layout.geometry:
+            raise ValueError(
+                f"host geometry {grid.geometry} does not match the device layout's "
+                f"{layout.geometry}: scheduler and worker disagree on the record sizes"
+            )
+        self.layout = layout
+        self.grid = grid
+        self.stats = ArenaStats()
+        self._cuda = CudaRuntime() if layout.device.type == "cuda" else None
+        self.chunks = [
+            self._allocate(i, n * grid.slab_bytes) for i, n in enumerate(grid.chunk_slabs)
+        ]
+        self._coalesce = True
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._release: weakref.finalize | None = None
+        if self._cuda is not None:
+            # The finalizer holds the chunks, so they are unpinned before they are freed.
+            self._release = weakref.finalize(self, _unregister, self._cuda, list(self.chunks))
+            max_pitch = self._cuda.max_pitch(layout.device)
+            pitches = [p.pitch for layer in layout.layers for p in layer.planes]
+            self._coalesce = max([grid.slab_bytes, *pitches]) <= max_pitch
+            self._streams = (
+                torch.cuda.Stream(layout.device),  # write-through
+                torch.cuda.Stream(layout.device),  # restore
+            )
+
+    def close(self) -> None:
+        """Unpin the chunks now (otherwise when the arena is collected)."""
+        if self._release is not None:
+            self._release()
+
+    def _allocate(self, index: int, nbytes: int) -> torch.Tensor:
+        what = f"host tier chunk {index} ({nbytes / 2**30:.2f} GiB)"
+        try:
+            chunk = torch.empty(nbytes, dtype=torch.uint8)
+            if self._cuda is not None:
+                self._cuda.host_register(chunk.data_ptr(), nbytes)
+        except RuntimeError as error:
+            pinned = "pin" if self._cuda is not None else "allocate"
+            raise RuntimeError(
+                f"could not {pinned} {what}: {error}. Lower --host-cache-mib, or raise the "
+                "locked-memory limit (ulimit -l) for pinned memory"
+            ) from error
+        return chunk
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def write(
+        self,
+        blocks: Sequence[tuple[int, int]] = (),
+        images: Sequence[tuple[int, Sequence[int]]] = (),
+    ) -> TransferHandle:
+        """Write-through, device -> host, in one batch: ``blocks`` are (page, slab) pairs (a
+        snapshot's tail page is one of them), ``images`` (state slot, image slabs) pairs."""
+        runs = self._runs(blocks)
+        steps = []
+        for layer in self.layout.layers:
+            step = _Step(layer.name)
+            if layer.is_state:
+                for slot, slabs in images:
+                    step.copies += self._image_copies(layer, slot, slabs, to_host=True)
+            else:
+                for page, slab, count in runs:
+                    step.copies += self._block_copies(layer, page, slab, count, to_host=True)
+            steps.append(step)
+        self.stats.write_batches += 1
+        self.stats.bytes_written += _bytes(steps)
+        events = self._issue(steps, 0, events_per_step=False)
+        return TransferHandle(events[-1] if events else None)
+
+    def restore(
+        self,
+        blocks: Sequence[tuple[int, int]] = (),
+        tail: tuple[int, int] | None = None,
+        image: tuple[Sequence[int], int] | None = None,
+    ) -> RestoreHandle:
+        """Restore, host -> device, in forward-pass order: ``blocks`` are (slab, page) pairs,
+        ``tail`` one (slab, page) pair landing in the prelude, ``image`` (image slabs, slot)."""
+        runs = self._runs([(page, slab) for slab, page in blocks])
+        prelude = _Step(None)
+        for page, slab, _ in self._runs([(tail[1], tail[0])] if tail is not None else []):
+            for layer in self.layout.layers:
+                if not layer.is_state:
+                    prelude.copies += self._block_copies(layer, page, slab, 1, to_host=False)
+        steps = [prelude]
+        for layer in self.layout.layers:
+            step = _Step(layer.name)
+            if layer.is_state and image is not None:
+                step.copies += self._image_copies(layer, image[1], image[0], to_host=False)
+            elif not layer.is_state:
+                for page, slab, count in runs:
+                    step.copies += self._block_copies(layer, page, slab, count, to_host=False)
+            steps.append(step)
+        self.stats.restore_batches += 1
+        self.stats.bytes_restored += _bytes(steps)
+        events = self._issue(steps, 1, events_per_step=True)
+        if not events:
+            return RestoreHandle(None, {}, None)
+        names = [step.layer for step in steps[1:] if step.layer is not None]
+        return RestoreHandle(events[0], dict(zip(names, events[1:], strict=True)), events[-1])
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _runs(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(first page, first slab, count) runs of consecutive pages on consecutive slabs of
+        one chunk, from (page, slab) pairs."""
+        runs: list[tuple[int, int, int]] = []
+        for page, slab in sorted(pairs):
+            if not 0 <= slab < self.grid.capacity or not 0 <= page < self.layout.num_pages:
+                raise IndexError(f"page {page} or slab {slab} out of range")
+            if runs and self._coalesce:
+                first_page, first_slab, count = runs[-1]
+                if (
+                    page == first_page + count
+                    and slab == first_slab + count
+                    and self.grid.location(slab)[0] == self.grid.location(first_slab)[0]
+                ):
+                    runs[-1] = (first_page, first_slab, count + 1)
+                    continue
+            runs.append((page, slab, 1))
+        return runs
+
+    def _block_copies(
+        self, layer: LayerPlanes, page: int, slab: int, count: int, to_host: bool
+    ) -> Iterator[_Copy]:
+        chunk, base = self.grid.location(slab)
+        for plane in layer.planes:
+            host = _Span(self.chunks[chunk], base + plane.record_offset, self.grid.slab_bytes)
+            device = _Span(plane.storage, plane.offset + page * plane.pitch, plane.pitch)
+            yield _pair(host, device, plane.nbytes, count, to_host)
+
+    def _image_copies(
+        self, layer: LayerPlanes, slot: int, slabs: Sequence[int], to_host: bool
+    ) -> Iterator[_Copy]:
+        if len(slabs) != self.grid.geometry.image_slabs:
+            raise ValueError(f"an image takes {self.grid.geometry.image_slabs} slabs, not {slabs}")
+        if not 0 <= slot < self.layout.num_slots:
+            raise IndexError(f"state slot {slot} out of range")
+        for plane in layer.planes:
+            for chunk, offset, done, length in self._image_segments(plane, slabs):
+                host = _Span(self.chunks[chunk], offset, length)
+                device = _Span(plane.storage, plane.offset + slot * plane.pitch + done, length)
+                yield _pair(host, device, length, 1, to_host)
+
+    def _image_segments(
+        self, plane: Plane, slabs: Sequence[int]
+    ) -> Iterator[tuple[int, int, int, int]]:
+        """(chunk, chunk offset, offset in the plane, length) of a plane's image bytes: one
+        segment per slab it touches, merged where the slabs are consecutive in one chunk."""
+        slab_bytes = self.grid.slab_bytes
+        done = 0
+        while done < plane.nbytes:
+            k, inner = divmod(plane.record_offset + done, slab_bytes)
+            chunk, base = self.grid.location(slabs[k])
+            length = slab_bytes - inner
+            while (
+                length < plane.nbytes - done
+                and k + 1 < len(slabs)
+                and slabs[k + 1] == slabs[k] + 1
+                and self.grid.location(slabs[k + 1])[0] == chunk
+            ):
+                k += 1
+                length += slab_bytes
+            length = min(length, plane.nbytes - done)
+            yield chunk, base + inner, done, length
+            done += length
+
+    # -- issuing ----------------------------------------------------------------------------
+
+    def _issue(
+        self, steps: list[_Step], stream_index: int, events_per_step: bool
+    ) -> list[torch.cuda.Event]:
+        """Run the steps in order; on CUDA, on the chosen stream behind the compute stream's
+        queued work, with an event after each step (or only after the last)."""
+        self.stats.copies += sum(len(step.copies) for step in steps)
+        if self._cuda is None or self._streams is None:
+            for step in steps:
+                for copy in step.copies:
+                    _view(copy.dst, copy).copy_(_view(copy.src, copy))
+            return []
+        stream = self._streams[stream_index]
+        stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        events = []
+        for index, step in enumerate(steps):
+            for copy in step.copies:
+                dst = copy.dst.storage.data_ptr() + copy.dst.offset
+                src = copy.src.storage.data_ptr() + copy.src.offset
+                if copy.height == 1:
+                    self._cuda.memcpy_async(dst, src, copy.width, stream.cuda_stream)
+                else:
+                    self._cuda.memcpy_2d_async(
+                        dst,
+                        copy.dst.pitch,
+                        src,
+                        copy.src.pitch,
+                        copy.width,
+                        copy.height,
+                        stream.cuda_stream,
+                    )
+            if events_per_step or index == len(steps) - 1:
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        return events
+
+
+def _pair(host: _Span, device: _Span, width: int, height: int, to_host: bool) -> _Copy:
+    return _Copy(host, device, width, height) if to_host else _Copy(device, host, width, height)
+
+
+def _view(span: _Span, copy: _Copy) -> torch.Tensor:
+    return span.storage.as_strided((copy.height, copy.width), (span.pitch, 1), span.offset)
+
+
+def _bytes(steps: list[_Step]) -> int:
+    return sum(c.width * c.height for step in steps for c in step.copies)
+
+
+def _unregister(runtime: CudaRuntime, chunks: list[torch.Tensor]) -> None:
+    for chunk in chunks:
+        runtime.host_unregister(chunk.data_ptr())

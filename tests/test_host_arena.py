@@ -239,3 +239,15 @@ def test_chunks_hold_whole_slabs() -> None:
     arena = _arena(capacity=40, slabs_per_chunk=16)
     slab = arena.grid.slab_bytes
     assert [c.numel() for c in arena.chunks] == [16 * slab, 16 * slab, 8 * slab]
+
+
+def test_allocation_failure_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(RuntimeError, match=r"chunk 0 .* Lower --host-cache-mib"):
+        HostArena(device, SlabGrid(device.geometry, 40, 16))

@@ -108,8 +108,9 @@ class TransferHandle:
     """A write-through batch in flight. The caller polls `done()` and then tells the index
     (``complete_*``): until then sources stay pinned and destinations Filling."""
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, device: torch.device) -> None:
         self._event = event
+        self._device = device
 
     def done(self) -> bool:
         return self._event is None or bool(self._event.query())
@@ -134,23 +135,24 @@ class RestoreHandle(TransferHandle):
         prelude: torch.cuda.Event | None,
         layers: dict[str, torch.cuda.Event],
         last: torch.cuda.Event | None,
+        device: torch.device,
     ) -> None:
-        super().__init__(last)
+        super().__init__(last, device)
         self._prelude = prelude
         self._layers = layers
 
     def wait_prelude(self) -> None:
         if self._prelude is not None:
-            torch.cuda.current_stream().wait_event(self._prelude)
+            torch.cuda.current_stream(self._device).wait_event(self._prelude)
 
     def wait_layer(self, name: str) -> None:
         event = self._layers.get(name)
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self._device).wait_event(event)
 
     def wait_all(self) -> None:
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 class HostArena:
@@ -166,15 +168,15 @@ class HostArena:
         self.grid = grid
         self.stats = ArenaStats()
         self._cuda = CudaRuntime() if layout.device.type == "cuda" else None
-        self.chunks = [
-            self._allocate(i, n * grid.slab_bytes) for i, n in enumerate(grid.chunk_slabs)
-        ]
+        self.chunks: list[torch.Tensor] = []
+        # The finalizer holds the chunks, so each is unpinned before it is freed, also when a
+        # later chunk fails to pin.
+        self._release = weakref.finalize(self, _unregister, self._cuda, self.chunks)
+        for index, slabs in enumerate(grid.chunk_slabs):
+            self.chunks.append(self._allocate(index, slabs * grid.slab_bytes))
         self._coalesce = True
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._release: weakref.finalize | None = None
         if self._cuda is not None:
-            # The finalizer holds the chunks, so they are unpinned before they are freed.
-            self._release = weakref.finalize(self, _unregister, self._cuda, list(self.chunks))
             max_pitch = self._cuda.max_pitch(layout.device)
             pitches = [p.pitch for layer in layout.layers for p in layer.planes]
             self._coalesce = max([grid.slab_bytes, *pitches]) <= max_pitch
@@ -185,8 +187,7 @@ class HostArena:
 
     def close(self) -> None:
         """Unpin the chunks now (otherwise when the arena is collected)."""
-        if self._release is not None:
-            self._release()
+        self._release()
 
     def _allocate(self, index: int, nbytes: int) -> torch.Tensor:
         what = f"host tier chunk {index} ({nbytes / 2**30:.2f} GiB)"
@@ -225,7 +226,7 @@ class HostArena:
         self.stats.write_batches += 1
         self.stats.bytes_written += _bytes(steps)
         events = self._issue(steps, 0, events_per_step=False)
-        return TransferHandle(events[-1] if events else None)
+        return TransferHandle(events[-1] if events else None, self.layout.device)
 
     def restore(
         self,
@@ -253,10 +254,12 @@ class HostArena:
         self.stats.restore_batches += 1
         self.stats.bytes_restored += _bytes(steps)
         events = self._issue(steps, 1, events_per_step=True)
+        device = self.layout.device
         if not events:
-            return RestoreHandle(None, {}, None)
+            return RestoreHandle(None, {}, None, device)
         names = [step.layer for step in steps[1:] if step.layer is not None]
-        return RestoreHandle(events[0], dict(zip(names, events[1:], strict=True)), events[-1])
+        layers = dict(zip(names, events[1:], strict=True))
+        return RestoreHandle(events[0], layers, events[-1], device)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -375,6 +378,7 @@ def _bytes(steps: list[_Step]) -> int:
     return sum(c.width * c.height for step in steps for c in step.copies)
 
 
-def _unregister(runtime: CudaRuntime, chunks: list[torch.Tensor]) -> None:
-    for chunk in chunks:
-        runtime.host_unregister(chunk.data_ptr())
+def _unregister(runtime: CudaRuntime | None, chunks: list[torch.Tensor]) -> None:
+    if runtime is not None:
+        for chunk in chunks:
+            runtime.host_unregister(chunk.data_ptr())

@@ -146,9 +146,33 @@ def test_eight_sessions_share_one_preamble(hybrid: Any, cold: Any) -> None:
 
 
 def test_identical_prompts_arriving_together(hybrid: Any, cold: Any) -> None:
+    """The first prefills the prompt; the other seven wait for its tap at 1280 (the last block
+    boundary below the prompt's last token) and resume there: the prefix is computed once."""
     prompt = random_prompt(seed=70, length=1300)
-    for out in greedy(hybrid, [prompt] * 8, ANSWER):
+    cache = cache_of(hybrid)
+    duplicates, coalesced = cache.index.stats.blocks_duplicate, cache.admissions.coalesced_requests
+    outs = greedy(hybrid, [prompt] * 8, ANSWER)
+    for out in outs:
         assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+    assert sorted(out.num_cached_tokens for out in outs) == [0] + [1280] * 7
+    assert cache.admissions.coalesced_requests - coalesced == 1  # the head; the rest queue behind
+    assert cache.index.stats.blocks_duplicate == duplicates
+
+
+def test_sessions_sharing_a_new_preamble_arriving_together(hybrid: Any, cold: Any) -> None:
+    """Four sessions share a 1000-token preamble nobody has sent before. The first takes the
+    whole 512-token step budget until it is past the preamble, so the second starts from the
+    first's chunk tap at 512 and taps the junction (960) exactly; the other two wait for that
+    snapshot instead of prefilling the preamble's end again."""
+    preamble = random_prompt(seed=75, length=1000)
+    sessions = [preamble + random_prompt(seed=76 + i, length=200) for i in range(4)]
+    cache = cache_of(hybrid)
+    coalesced = cache.admissions.coalesced_requests
+    outs = greedy(hybrid, sessions, ANSWER)
+    for session, out in zip(sessions, outs, strict=True):
+        assert_same_up_to_near_tie(out, cold, session, ANSWER)
+    assert [out.num_cached_tokens for out in outs] == [0, 512, 960, 960]
+    assert cache.admissions.coalesced_requests - coalesced == 1
 
 
 def test_cancelled_prefill_leaves_its_blocks_and_taps(hybrid: Any, cold: Any) -> None:

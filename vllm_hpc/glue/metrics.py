@@ -38,6 +38,12 @@ _COUNTER_METRICS = {
         "source",
         "device",
     ),
+    "coalesced_requests": (
+        "vllm:hpc_coalesced_requests",
+        "Queue heads admitted after waiting for a running request's snapshot of their prefix",
+        None,
+        None,
+    ),
     "blocks_inserted": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "inserted"),
     "blocks_duplicate": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "duplicate"),
     "snapshots_published": ("vllm:hpc_snapshots_published", "Snapshots published", None, None),

@@ -93,6 +93,10 @@ class Lookup:
     frontier: int
     """Tokens served from the cache: the request prefills [frontier, n)."""
     taps: list[PlannedTap]
+    prompt: PreparedPrompt | None = None
+    sibling: Sequence | None = None
+    """A running request that is prefilling more of this prompt than the cache serves now: the
+    request waits for its snapshot instead of prefilling the same tokens (§12.2)."""
 
 
 class HybridPrefixCache:
@@ -115,6 +119,8 @@ class HybridPrefixCache:
         self._new_pages: list[PageId] = []
         self._live: set[Sequence] = set()
         self._prepared: dict[str, PreparedPrompt] = {}
+        self._waited: set[str] = set()
+        """Waiting requests that held back for a sibling's snapshot (§12.2)."""
         self.admissions = AdmissionCounters()
 
     # -- slots ------------------------------------------------------------------------------
@@ -204,11 +210,42 @@ class HybridPrefixCache:
             )
         )
         taps = _aligned_tail(taps, frontier, match.frontiers, from_endpoint)
-        return Lookup(quote, frontier, taps)
+        sibling = self._sibling(prompt, request, frontier) if request.read_cache else None
+        if sibling is not None:
+            self._waited.add(request.request_id)
+        return Lookup(quote, frontier, taps, prompt, sibling)
+
+    def _sibling(
+        self, prompt: PreparedPrompt, request: RequestInfo, frontier: int
+    ) -> Sequence | None:
+        """In-flight coalescing (§12.2): the running request whose snapshot, published soon, will
+        serve this prompt at least one block deeper than the cache serves it now.
+
+        The target is the last block boundary of the prefix both prompts share (and below each
+        one's last token). A sibling that has not reached it yet gets an exact Boundary tap
+        there; one that has passed it serves only through a capture still publishing. A wait
+        always ends: the sibling publishes, passes the target without a slot for it, or leaves.
+        """
+        best: Sequence | None = None
+        deepest = frontier + BLOCK_TOKENS - 1
+        for seq in self._live:
+            if seq.prompt is None or seq.prompt.cache_salt != prompt.cache_salt:
+                continue
+            shared = _shared_blocks(prompt, seq.prompt) * BLOCK_TOKENS
+            limit = min(shared, request.num_prompt_tokens - 1, seq.num_prompt_tokens - 1)
+            target = limit - limit % BLOCK_TOKENS
+            if seq.scheduled_end >= target:
+                target = max((c.frontier for c in seq.captures if c.frontier <= target), default=0)
+            if target > deepest:
+                best, deepest = seq, target
+        if best is not None and best.scheduled_end < deepest:
+            _plan_exact_tap(best, deepest)
+        return best
 
     def forget(self, request_id: str) -> None:
         """The request was admitted or left the queue: drop what its lookups kept."""
         self._prepared.pop(request_id, None)
+        self._waited.discard(request_id)
 
     def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap, if any."""
@@ -227,6 +264,8 @@ class HybridPrefixCache:
         frontier = lookup.frontier
         quote = lookup.quote
         end = frontier + num_new_tokens + lookahead
+        if lookup.sibling is not None:
+            return None
         if quote is not None and quote.readiness is not Readiness.READY:
             return None
         need = _pages(end) - frontier // BLOCK_TOKENS
@@ -256,10 +295,13 @@ class HybridPrefixCache:
             lease,
             frontier,
             request.num_prompt_tokens,
+            prompt=lookup.prompt if lease is not None else None,
             taps=list(lookup.taps),
             newest_frontier=frontier,
         )
         self._live.add(seq)
+        if request.request_id in self._waited:
+            self.admissions.coalesced_requests += 1
         self.forget(request.request_id)
         self.admissions.prompt_tokens += len(request.token_ids)
         self.admissions.hit_tokens_device += frontier
@@ -306,6 +348,7 @@ class HybridPrefixCache:
 
     def on_scheduled(self, seq: Sequence, token_ids: Seq[int], start: int, end: int) -> None:
         """The chunk [start, end) of ``seq`` runs this step: capture the taps it reaches."""
+        seq.scheduled_end = max(seq.scheduled_end, end)
         due = [t for t in seq.taps if t.position <= end]
         if not due or not seq.caching:
             return
@@ -520,6 +563,38 @@ def _aligned_tail(
             tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
         result.append(tap)
     return sorted(result, key=lambda t: t.position)
+
+
+def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:
+    """Full blocks two prompts share from the start, compared exactly.
+
+    Lookup hashes are chained, so equal hashes at block k mean (barring a collision, which the
+    byte comparison catches) equal blocks 0..k: a binary search finds the shared run.
+    """
+    low, high = 0, min(len(a.block_hashes), len(b.block_hashes))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a.block_hashes[mid - 1] == b.block_hashes[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    exact = (
+        a.token_range(0, low * BLOCK_TOKENS) == b.token_range(0, low * BLOCK_TOKENS)
+        and a.block_extras[:low] == b.block_extras[:low]
+    )
+    return low if exact else 0
+
+
+def _plan_exact_tap(seq: Sequence, position: int) -> None:
+    """Make sure ``seq`` captures its state exactly at ``position`` (a coalescing target)."""
+    if any(t.position == position and t.exact for t in seq.taps):
+        return
+    tap = PlannedTap(position, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY)
+    seq.taps = sorted([*(t for t in seq.taps if t.position != position), tap], key=_position)
+
+
+def _position(tap: PlannedTap) -> int:
+    return tap.position
 
 
 def _tail(token_ids: Seq[int], frontier: int) -> list[int]:

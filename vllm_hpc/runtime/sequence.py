@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_hpc.index import Lease, PageId, PlannedTap, SlotId, SnapshotKind
+from vllm_hpc.index import Lease, PageId, PlannedTap, PreparedPrompt, SlotId, SnapshotKind
 from vllm_hpc.runtime.plan import PageCopy, StateCopy
 
 
@@ -47,6 +47,10 @@ class Sequence:
     base: int
     """Reuse frontier it resumed from: it prefilled [base, n)."""
     num_prompt_tokens: int
+    prompt: PreparedPrompt | None = None
+    """Its prompt as looked up, for in-flight coalescing (§12.2); None when not caching."""
+    scheduled_end: int = 0
+    """Tokens scheduled so far (the end of its latest chunk)."""
     taps: list[PlannedTap] = field(default_factory=list)
     """Planned prompt taps not yet captured, by position."""
     captures: list[Capture] = field(default_factory=list)

@@ -15,9 +15,12 @@ class AdmissionCounters:
     prompt_tokens: int = 0
     hit_tokens_device: int = 0
     """Tokens served from a snapshot (and its blocks) resident on the device."""
+    coalesced_requests: int = 0
+    """Queue heads admitted after waiting for a running sibling's snapshot (§12.2); requests
+    queued behind a waiting head are not counted."""
 
 
-ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device")
+ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device", "coalesced_requests")
 INDEX_COUNTERS = (
     "blocks_inserted",
     "blocks_duplicate",

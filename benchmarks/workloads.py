@@ -136,11 +136,11 @@ def mix(shape: Shape, rate: float, sessions: int = 12, seed: int = 5) -> list[Se
         ("branching", lambda s: branching(shape, s, branches=3)),
         ("shared preamble", lambda s: shared_preamble(shape, seed, sessions=2, user_seed=s)),
     ]
-    starts = arrivals(rate, sessions, seed)
-    return [
-        Session(kinds[i % len(kinds)][0], start, kinds[i % len(kinds)][1](100 + i))
-        for i, start in enumerate(starts)
-    ]
+    out = []
+    for i, start in enumerate(arrivals(rate, sessions, seed)):
+        kind, make = kinds[i % len(kinds)]
+        out.append(Session(kind, start, make(100 + i)))
+    return out
 
 
 def arrivals(rate: float, n: int, seed: int) -> list[float]:

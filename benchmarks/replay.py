@@ -1,0 +1,396 @@
+"""Replay benchmark: every workload through the real engine, once per cache configuration.
+
+Configurations, back to back in this process at equal memory (the same memory fraction):
+`native` (vLLM's prefix caching, default retention), `native-dense` (the same, retention
+interval = one of vLLM's blocks, read from the native engine) and `hybrid-prefix`. Workloads
+(`workloads.py`, `traces.py`): the four single-session shapes, sent one request at a time; the
+mix, sessions of all four kinds at Poisson arrivals with at most `--concurrency` sessions in
+flight; and two public traces replayed as sessions the same way. Each engine is vLLM's
+`AsyncLLM`; TTFT and end-to-end latency are taken at the client, from sending a request to
+its first and last output. Greedy answers with top-2 logprobs, so the report can tell a
+near-tie from a real difference. Writes `replay.json` to --out after every configuration
+(--resume continues a partial run) and the report through `replay_report.py`.
+
+CPU, tiny model (a few minutes):
+
+    .venv/bin/python benchmarks/replay.py --out benchmarks/results
+
+GPU, a config.json with dummy weights (see README "Benchmark" for the staging):
+
+    python3 benchmarks/replay.py --model .gpu/model27b --profile gpu --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hit_rate import margin, revision, source_digest
+from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
+from workloads import WORKLOADS, Session, Shape, arrivals, mix
+
+from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
+
+CONFIGS = ("native", "native-dense", "hybrid-prefix")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Workload sizes and engine limits of one kind of run."""
+
+    scale: float
+    """Length factor of the synthetic workloads (their documented shapes are at 1)."""
+    trace_scale: float
+    """Length factor of the traces (1: the recorded lengths)."""
+    answer: int
+    rate: float
+    concurrency: int
+    mix_sessions: int
+    trace_sessions: int
+    trace_turns: int
+    max_prompt: int
+    max_model_len: int
+    memory: float
+
+
+PROFILES = {
+    "cpu": Profile(0.5, 0.25, 32, 1.0, 4, 8, 3, 5, 3000, 8192, 0.2),
+    "gpu": Profile(3.0, 1.0, 8, 0.5, 8, 8, 4, 6, 100_000, 102_400, 0.85),
+}
+
+
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds from the workload's start."""
+
+    kind: str
+    session: int
+    turn: int
+    prompt_tokens: int
+    prompt_digest: str
+    cached_tokens: int
+    answer: list[int]
+    margins: list[float]
+    sent_s: float
+    first_token_s: float
+    done_s: float
+
+
+@dataclass
+class WorkloadRun:
+    requests: list[Record] = field(default_factory=list)
+    wall_s: float = 0.0
+    peak_host_bytes: int = 0
+    peak_device_bytes: int | None = None
+    peak_load: float = 0.0
+    """Highest 1-minute load average seen: other work on the machine skews the timings."""
+
+
+class Sampler:
+    """Samples the peak resident memory of this process and its children (the engine core),
+    the machine's load and, where nvidia-smi exists, the device memory in use; querying through
+    nvidia-smi keeps CUDA out of this process, which vLLM needs before it starts its engine."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.smi = shutil.which("nvidia-smi")
+        self.period_s = period_s
+        self.host = 0
+        self.device: int | None = None
+        self.load = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def reset(self) -> None:
+        self.host, self.device, self.load = 0, None, 0.0
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.period_s):
+            tree = [self.process, *self.process.children(recursive=True)]
+            rss = 0
+            for proc in tree:
+                try:
+                    rss += proc.memory_info().rss
+                except Exception:  # a child that just exited
+                    continue
+            self.host = max(self.host, rss)
+            self.load = max(self.load, os.getloadavg()[0])
+            if self.smi:
+                used = subprocess.run(
+                    [self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()
+                mib = sum(int(x) for x in used)
+                self.device = max(self.device or 0, mib * 2**20)
+
+
+def digest(tokens: list[int]) -> str:
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
+
+
+async def send(engine: Any, prompt: list[int], params: Any, request_id: str, t0: float) -> dict:
+    """One request; returns its timings, cached tokens, answer and top-1 margins."""
+    sent = time.perf_counter() - t0
+    first = None
+    final = None
+    async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id):
+        if first is None and out.outputs[0].token_ids:
+            first = time.perf_counter() - t0
+        final = out
+    assert final is not None
+    done = time.perf_counter() - t0
+    completion = final.outputs[0]
+    return {
+        "cached_tokens": final.num_cached_tokens or 0,
+        "answer": list(completion.token_ids),
+        "margins": [round(margin(step), 4) for step in completion.logprobs],
+        "sent_s": sent,
+        "first_token_s": done if first is None else first,
+        "done_s": done,
+    }
+
+
+async def replay(
+    engine: Any, sessions: list[Session], params: Any, concurrency: int, ids: Any
+) -> list[Record]:
+    """Start each session at its time (or when fewer than `concurrency` are in flight) and send
+    its prompts one after another, feeding each answer back to it."""
+    slots = asyncio.Semaphore(concurrency)
+    t0 = time.perf_counter()
+    records: list[Record] = []
+
+    async def play(index: int, session: Session) -> None:
+        await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - t0)))
+        async with slots:
+            prompt = next(session.turns)
+            for turn in itertools.count():
+                got = await send(engine, prompt, params, f"r{next(ids)}", t0)
+                records.append(
+                    Record(session.kind, index, turn, len(prompt), digest(prompt), **got)
+                )
+                try:
+                    prompt = session.turns.send(got["answer"])
+                except StopIteration:
+                    return
+
+    await asyncio.gather(*(play(i, s) for i, s in enumerate(sessions)))
+    return sorted(records, key=lambda r: (r.session, r.turn))
+
+
+def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[[], list[Session]]]:
+    """Each workload's sessions, built afresh for every engine (the generators are consumed)."""
+    shape = Shape(vocab, profile.scale)
+
+    def single(name: str) -> Callable[[], list[Session]]:
+        return lambda: [Session(name, 0.0, WORKLOADS[name](shape))]
+
+    def trace(which: Trace, seed: int) -> Callable[[], list[Session]]:
+        def build() -> list[Session]:
+            prompts = trace_sessions(
+                which,
+                Shape(vocab, profile.trace_scale),
+                profile.trace_sessions,
+                profile.trace_turns,
+                profile.max_prompt,
+                traces,
+            )
+            starts = arrivals(profile.rate, len(prompts), seed)
+            return [Session(which.file, t, fixed(p)) for t, p in zip(starts, prompts, strict=True)]
+
+        return build
+
+    built: dict[str, Callable[[], list[Session]]] = {name: single(name) for name in WORKLOADS}
+    built["mix"] = lambda: mix(shape, profile.rate, profile.mix_sessions)
+    built["mooncake trace"] = trace(MOONCAKE, 6)
+    built["agent trace"] = trace(MINISWE, 7)
+    return built
+
+
+def engine_kwargs(config: str, profile: Profile, model: str | None, block: int) -> dict:
+    """Engine arguments of one configuration; only the cache settings differ between them."""
+    cache: dict[str, Any] = {"enable_prefix_caching": True}
+    if config == "native-dense":
+        cache["prefix_cache_retention_interval"] = block
+    extra: dict[str, Any] = {}
+    if config == "hybrid-prefix":
+        extra["kv_cache_manager"] = "hybrid-prefix"
+    limits = {"max_model_len": profile.max_model_len, "gpu_memory_utilization": profile.memory}
+    if model is None:
+        return llm_kwargs(**limits, **cache, additional_config=extra)
+    # The GPU settings that worked on the H200 (benchmarks/results/gpu_device_tier.md).
+    return {
+        "model": model,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "seed": 0,
+        "disable_log_stats": False,
+        **limits,
+        **cache,
+        "additional_config": {"gdn_prefill_backend": "triton", **extra},
+    }
+
+
+async def run_config(
+    kwargs: dict,
+    builds: dict[str, Callable[[], list[Session]]],
+    profile: Profile,
+    memory: Sampler,
+) -> dict:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    sources = source_digest()
+    started = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    start_s = time.perf_counter() - started
+    params = SamplingParams(
+        max_tokens=profile.answer, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2
+    )
+    config = engine.vllm_config
+    result: dict[str, Any] = {
+        "engine": {
+            "kwargs": kwargs,
+            "sources": sources,
+            "start_s": start_s,
+            "block": config.cache_config.block_size,
+            "chunk": config.scheduler_config.max_num_batched_tokens,
+            "kv_tokens": config.cache_config.kv_cache_size_tokens,
+        },
+        "workloads": {},
+    }
+    ids = itertools.count()
+    try:
+        # One short prompt of its own first, so no workload pays the first step's set-up.
+        await send(engine, list(range(64)), params, "warm-up", time.perf_counter())
+        for name, build in builds.items():
+            sessions = build()
+            memory.reset()
+            began = time.perf_counter()
+            records = await replay(engine, sessions, params, profile.concurrency, ids)
+            run = WorkloadRun(
+                records, time.perf_counter() - began, memory.host, memory.device, memory.load
+            )
+            result["workloads"][name] = asdict(run)
+            cached = sum(r.cached_tokens for r in records)
+            prompt = sum(r.prompt_tokens for r in records)
+            print(f"  {name}: {len(records)} requests, cached {cached}/{prompt}", flush=True)
+    finally:
+        engine.shutdown()
+        del engine  # its __del__ shuts down again, which fails once Python is exiting
+    return result
+
+
+def machine(model: str | None) -> str:
+    smi = shutil.which("nvidia-smi")
+    if model and smi:
+        names = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+        return f"{names} ({os.cpu_count()} CPU cores)"
+    return f"{os.cpu_count()}-core {platform.machine()} CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=PROFILES, default="cpu")
+    parser.add_argument("--model", help="model directory with config.json, dummy weights")
+    parser.add_argument("--out", type=Path, required=True, help="directory for JSON and report")
+    parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--workloads", help="comma-separated subset, by name")
+    parser.add_argument("--traces", type=Path, default=TRACES)
+    parser.add_argument("--resume", action="store_true", help="keep configurations in the JSON")
+    parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
+    for knob in Profile.__dataclass_fields__:
+        parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
+    args = parser.parse_args()
+    base = PROFILES[args.profile]
+    profile = Profile(
+        **{
+            k: type(getattr(base, k))(
+                v if (v := getattr(args, k)) is not None else getattr(base, k)
+            )
+            for k in Profile.__dataclass_fields__
+        }
+    )
+    vocab = (
+        json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        if args.model
+        else DEFAULT_RECIPE.vocab_size
+    )
+    builds = scenarios(profile, vocab, args.traces)
+    if args.workloads:
+        builds = {k: builds[k] for k in args.workloads.split(",")}
+    if args.plan:
+        plan(builds, profile.answer)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"replay_{args.profile}"
+    path = args.out / f"{stem}.json"
+    import vllm
+
+    data: dict[str, Any] = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    command = " ".join(["python benchmarks/replay.py", *sys.argv[1:]])
+    data.setdefault("runs", []).append({"command": command, "checkout": revision()})
+    data.update(
+        vllm=vllm.__version__,
+        machine=machine(args.model),
+        model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
+        profile=asdict(profile),
+        date=time.strftime("%Y-%m-%d %H:%M %Z"),
+    )
+    data.setdefault("configs", {})
+    memory = Sampler()
+    for config in args.configs.split(","):
+        if config in data["configs"]:
+            continue
+        block = data["configs"].get("native", {}).get("engine", {}).get("block", 0)
+        if config == "native-dense" and not block:
+            raise SystemExit("native-dense takes its retention interval from native: run it first")
+        kwargs = engine_kwargs(config, profile, args.model, block)
+        print(f"[{config}] starting", flush=True)
+        data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
+        path.write_text(json.dumps(data))
+    memory.stop.set()
+    from replay_report import write_report
+
+    write_report(path)
+
+
+def plan(builds: dict[str, Callable[[], list[Session]]], answer: int) -> None:
+    """Requests and prompt tokens per workload, answering every prompt with `answer` zeros."""
+    for name, build in builds.items():
+        lengths = []
+        for session in build():
+            prompt = next(session.turns)
+            while True:
+                lengths.append(len(prompt))
+                try:
+                    prompt = session.turns.send([0] * answer)
+                except StopIteration:
+                    break
+        print(f"{name}: {len(lengths)} requests, {sum(lengths)} prompt tokens, max {max(lengths)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Report of a replay run (`replay.py`): a markdown table and PNG plots from its JSON.
+
+Regenerates everything from the JSON alone, so a run made elsewhere (the GPU) is reported here:
+
+    .venv/bin/python benchmarks/replay_report.py benchmarks/results/replay_cpu.json
+
+Writes `<stem>.md` and `<stem>_{ttft,hit_rate,cached_per_turn}.png` beside the JSON. The plots
+need matplotlib (`pip install -e ".[bench]"` or `.venv/bin/pip install matplotlib`); without it
+the markdown is still written and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpu_device_tier import NEAR_TIE
+
+BASELINE = "native"
+OURS = "hybrid-prefix"
+TARGETS = [
+    ("token hit rate, mix", "mix", "hit_rate", ">=", 1.5),
+    ("token hit rate, branching", "branching", "hit_rate", ">=", 3.0),
+    ("TTFT p50, mix", "mix", "ttft_p50", "<=", 0.5),
+    ("output throughput, mix", "mix", "throughput", ">=", 0.98),
+]
+"""Issue 6's targets: hybrid-prefix / native in the same run."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One workload on one configuration."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    ttft_p50: float
+    ttft_p95: float
+    e2e_p50: float
+    throughput: float
+    """Generated tokens per second over the workload's wall time."""
+    peak_host_bytes: int
+    peak_device_bytes: int | None
+    peak_load: float
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile: an observed value, which suits a few dozen requests."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
+
+
+def stats(run: dict[str, Any]) -> Stats:
+    requests = run["requests"]
+    prompt = sum(r["prompt_tokens"] for r in requests)
+    cached = sum(r["cached_tokens"] for r in requests)
+    ttft = [r["first_token_s"] - r["sent_s"] for r in requests]
+    e2e = [r["done_s"] - r["sent_s"] for r in requests]
+    span = max(r["done_s"] for r in requests) - min(r["sent_s"] for r in requests)
+    return Stats(
+        len(requests),
+        prompt,
+        cached,
+        cached / prompt,
+        percentile(ttft, 0.5),
+        percentile(ttft, 0.95),
+        percentile(e2e, 0.5),
+        sum(len(r["answer"]) for r in requests) / span,
+        run["peak_host_bytes"],
+        run["peak_device_bytes"],
+        run["peak_load"],
+    )
+
+
+def divergences(got: list[dict], base: list[dict]) -> list[str]:
+    """Requests whose greedy answer differs from the baseline's: `s<session>.<turn>@<token>
+    (<baseline top-1 margin>)`, a margin under NEAR_TIE marking a near-tie; `... prompt` where
+    the prompt already differs (an agent loop following an earlier different answer)."""
+    found = []
+    for a, b in zip(got, base, strict=True):
+        where = f"s{a['session']}.{a['turn']}"
+        if a["prompt_digest"] != b["prompt_digest"]:
+            found.append(f"{where} prompt")
+        elif a["answer"] != b["answer"]:
+            k = next(
+                i for i, (x, y) in enumerate(zip(a["answer"], b["answer"], strict=False)) if x != y
+            )
+            tie = "" if b["margins"][k] < NEAR_TIE else " NOT a near-tie"
+            found.append(f"{where}@{k} ({b['margins'][k]:.3f}{tie})")
+    return found
+
+
+def gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.1f}"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == b else math.inf)
+
+
+def times(value: float) -> str:
+    return "inf (native 0)" if math.isinf(value) else f"{value:.2f}x"
+
+
+def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str) -> list[str]:
+    configs = list(data["configs"])
+    workloads = list(next(iter(data["configs"].values()))["workloads"])
+    profile = data["profile"]
+    lines = [
+        f"# Replay benchmark: {data['model']}",
+        "",
+        *(
+            f"Command: `{r['command']}` (checkout {r['checkout'] or 'unknown'})  "
+            for r in data["runs"]
+        ),
+        f"Date: {data['date']}  ",
+        f"vLLM {data['vllm']}; machine: {data['machine']}  ",
+        f"Profile: {', '.join(f'{k}={v}' for k, v in profile.items())}  ",
+        "Each configuration is one engine (vLLM `AsyncLLM`), started back to back in one "
+        "process; every workload runs on it in the order below. Single-session workloads send "
+        "one request at a time; `mix` and the traces start sessions at Poisson arrivals "
+        f"({profile['rate']}/s) with at most {profile['concurrency']} sessions in flight. "
+        "TTFT and end-to-end latency are measured at the client (send to first / last output); "
+        "hit rate = cached prompt tokens (`num_cached_tokens`) / prompt tokens, first requests "
+        "included; throughput = generated tokens / the workload's wall time; memory = peaks "
+        "sampled every 0.25 s (host: resident memory of the benchmark and engine processes; "
+        "device: nvidia-smi's memory in use, n/a on CPU); peak load = the highest 1-minute "
+        "load average during the workload (other work on the machine slows it).",
+        "",
+        "## Targets (hybrid-prefix / native, same run)",
+        "",
+        "| target | goal | measured | met |",
+        "|---|---|---|---|",
+    ]
+    if BASELINE in table and OURS in table:
+        for label, workload, key, sense, goal in TARGETS:
+            if workload not in table[OURS]:
+                continue
+            value = ratio(
+                getattr(table[OURS][workload], key), getattr(table[BASELINE][workload], key)
+            )
+            met = value >= goal if sense == ">=" else value <= goal
+            lines.append(
+                f"| {label} | {sense} {goal}x | {times(value)} | {'yes' if met else 'no'} |"
+            )
+        differ = sum(
+            len(divergences(run["requests"], data["configs"][BASELINE]["workloads"][w]["requests"]))
+            for w, run in data["configs"][OURS]["workloads"].items()
+        )
+        lines.append(
+            f"| requests whose greedy answer differs from native's | 0 | {differ} | "
+            f"{'yes' if differ == 0 else 'no (see below)'} |"
+        )
+    lines += [
+        "",
+        "## Per workload",
+        "",
+        "| workload | configuration | requests | prompt tokens | cached | computed | hit rate | "
+        "vs native | "
+        "TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | output tok/s | peak host GiB | "
+        "peak device GiB | peak load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in workloads:
+        for c in configs:
+            if w not in table[c]:
+                continue
+            s = table[c][w]
+            base = table.get(BASELINE, {}).get(w)
+            vs = times(ratio(s.hit_rate, base.hit_rate)) if base else "-"
+            lines.append(
+                f"| {w} | {c} | {s.requests} | {s.prompt_tokens} | {s.cached_tokens} | "
+                f"{s.prompt_tokens - s.cached_tokens} | "
+                f"{s.hit_rate:.3f} | {vs} | {s.ttft_p50:.3f} | {s.ttft_p95:.3f} | "
+                f"{s.e2e_p50:.3f} | {s.throughput:.1f} | {gib(s.peak_host_bytes)} | "
+                f"{gib(s.peak_device_bytes)} | {s.peak_load:.1f} |"
+            )
+    lines += [
+        "",
+        "## Greedy answers against native",
+        "",
+        "Requests whose greedy answer differs from native's, each as `s<session>.<turn>@<first "
+        "differing token> (native's top-1 margin there, nats)`; below "
+        f"{NEAR_TIE} nat the two logits are a few bf16 ulps apart, where batching alone can "
+        "flip the choice (`benchmarks/results/tiny_model_margin*.md`). `prompt`: the prompt "
+        "already differs, following an earlier different answer.",
+        "",
+        f"| workload | {' | '.join(c for c in configs if c != BASELINE)} |",
+        f"|---|{'---|' * (len(configs) - 1)}",
+    ]
+    for w in workloads if BASELINE in configs else []:
+        base = data["configs"][BASELINE]["workloads"][w]["requests"]
+        cells = []
+        for c in configs:
+            if c == BASELINE or w not in data["configs"][c]["workloads"]:
+                continue
+            found = divergences(data["configs"][c]["workloads"][w]["requests"], base)
+            cells.append(f"{len(found)}: {', '.join(found)}" if found else "0")
+        lines.append(f"| {w} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "## Engines",
+        "",
+        "| configuration | vllm_hpc sources | block | prefill chunk | KV capacity (tokens) | "
+        "start-up (s) | engine arguments |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in configs:
+        e = data["configs"][c]["engine"]
+        args = ", ".join(f"{k}={v}" for k, v in e["kwargs"].items() if k != "model")
+        lines.append(
+            f"| {c} | {e['sources']} | {e['block']} | {e['chunk']} | {e['kv_tokens']:,} | "
+            f"{e['start_s']:.0f} | {args} |"
+        )
+    lines += ["", f"Plots: `{stem}_ttft.png`, `{stem}_hit_rate.png`, `{stem}_cached_per_turn.png`."]
+    return lines
+
+
+def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(data["configs"])
+    workloads = list(next(iter(data["configs"].values()))["workloads"])
+    cols = 4
+    rows = math.ceil(len(workloads) / cols)
+
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, w in zip(axes.flat, workloads, strict=False):
+        for c in configs:
+            reqs = data["configs"][c]["workloads"].get(w, {}).get("requests", [])
+            ttft = sorted(r["first_token_s"] - r["sent_s"] for r in reqs)
+            ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=c)
+        ax.set(title=w, xlabel="TTFT (s)", ylabel="fraction of requests", xscale="log")
+    axes.flat[0].legend(fontsize="small")
+    _save(fig, axes, len(workloads), out.with_name(out.name + "_ttft.png"))
+
+    fig, ax = plt.subplots(figsize=(2 + 1.3 * len(workloads), 3.5))
+    width = 0.8 / len(configs)
+    for i, c in enumerate(configs):
+        rates = [table[c][w].hit_rate if w in table[c] else 0 for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], rates, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads, rotation=20)
+    ax.set(ylabel="token hit rate", ylim=(0, 1))
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out.with_name(out.name + "_hit_rate.png"), dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, w in zip(axes.flat, workloads, strict=False):
+        for c in configs:
+            reqs = data["configs"][c]["workloads"].get(w, {}).get("requests", [])
+            ax.plot([r["cached_tokens"] for r in reqs], marker=".", label=c)
+        ax.set(title=w, xlabel="request (by session, then turn)", ylabel="cached tokens")
+    axes.flat[0].legend(fontsize="small")
+    _save(fig, axes, len(workloads), out.with_name(out.name + "_cached_per_turn.png"))
+
+
+def _save(fig: Any, axes: Any, used: int, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    for ax in axes.flat[used:]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(path: Path) -> None:
+    data = json.loads(path.read_text())
+    table = {
+        c: {w: stats(run) for w, run in cfg["workloads"].items()}
+        for c, cfg in data["configs"].items()
+    }
+    stem = path.with_suffix("")
+    lines = markdown(data, table, stem.name)
+    try:
+        plots(data, table, stem)
+    except ImportError:
+        lines += [
+            "",
+            '**No plots**: matplotlib is not installed (`pip install -e ".[bench]"`, or '
+            "`.venv/bin/pip install matplotlib`), then run `python benchmarks/replay_report.py "
+            f"{path.name}` again.",
+        ]
+        print("matplotlib is missing: no plots (pip install -e '.[bench]')", file=sys.stderr)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    write_report(Path(sys.argv[1]))

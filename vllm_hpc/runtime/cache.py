@@ -82,6 +82,8 @@ class RequestInfo:
     cache_salt: str | None = None
     breakpoints: tuple[int, ...] = ()
     """Client-named reuse points (token positions): exact Boundary taps (§7.1)."""
+    template_hints: tuple[TapHint, ...] = ()
+    """Semantic positions the chat template marks: the generation opener, structural ends."""
     read_cache: bool = True
 
 
@@ -193,6 +195,7 @@ class HybridPrefixCache:
             )
         frontier = quote.source.frontier if quote.source is not None else 0
         hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints]
+        hints.extend(request.template_hints)
         # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
         # lets the next request sharing this prefix resume there.
         junction = match.matched_tokens

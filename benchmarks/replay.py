@@ -6,10 +6,11 @@ interval = one of vLLM's blocks, read from the native engine) and `hybrid-prefix
 (`workloads.py`, `traces.py`): the four single-session shapes, sent one request at a time; the
 mix, sessions of all four kinds at Poisson arrivals with at most `--concurrency` sessions in
 flight; and two public traces replayed as sessions the same way. Each engine is vLLM's
-`AsyncLLM`; TTFT and end-to-end latency are taken at the client, from sending a request to
-its first and last output. Greedy answers with top-2 logprobs, so the report can tell a
-near-tie from a real difference. Writes `replay.json` to --out after every configuration
-(--resume continues a partial run) and the report through `replay_report.py`.
+`AsyncLLM` with `vllm serve`'s defaults (prefill chunk, batch limits); TTFT and end-to-end
+latency are taken at the client, from sending a request to its first and last output. Greedy
+answers with top-2 logprobs, so the report can tell a near-tie from a real difference. Writes
+`replay_<profile>.json` to --out after every configuration (--resume JSON continues a partial run)
+and then the report through `replay_report.py`.
 
 CPU, tiny model (a few minutes):
 
@@ -17,7 +18,7 @@ CPU, tiny model (a few minutes):
 
 GPU, a config.json with dummy weights (see README "Benchmark" for the staging):
 
-    python3 benchmarks/replay.py --model .gpu/model27b --profile gpu --out $OUT
+    python3 benchmarks/replay.py --profile gpu --model .gpu/model27b --traces .gpu/traces --out $OUT
 """
 
 from __future__ import annotations
@@ -257,11 +258,15 @@ async def run_config(
 ) -> dict:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     sources = source_digest()
     started = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    # The server's context, so the prefill chunk and batch limits are `vllm serve`'s defaults.
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**kwargs), usage_context=UsageContext.OPENAI_API_SERVER
+    )
     start_s = time.perf_counter() - started
     params = SamplingParams(
         max_tokens=profile.answer, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2
@@ -319,7 +324,9 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--workloads", help="comma-separated subset, by name")
     parser.add_argument("--traces", type=Path, default=TRACES)
-    parser.add_argument("--resume", action="store_true", help="keep configurations in the JSON")
+    parser.add_argument(
+        "--resume", type=Path, help="JSON of an earlier run: keep its configurations"
+    )
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
@@ -349,7 +356,7 @@ def main() -> None:
     path = args.out / f"{stem}.json"
     import vllm
 
-    data: dict[str, Any] = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    data: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
     command = " ".join(["python benchmarks/replay.py", *sys.argv[1:]])
     data.setdefault("runs", []).append({"command": command, "checkout": revision()})
     data.update(

@@ -42,6 +42,8 @@ class Stats:
     ttft_p50: float
     ttft_p95: float
     e2e_p50: float
+    tpot_p50: float
+    """Seconds per generated token after the first."""
     throughput: float
     """Generated tokens per second over the workload's wall time."""
     peak_host_bytes: int
@@ -61,6 +63,11 @@ def stats(run: dict[str, Any]) -> Stats:
     cached = sum(r["cached_tokens"] for r in requests)
     ttft = [r["first_token_s"] - r["sent_s"] for r in requests]
     e2e = [r["done_s"] - r["sent_s"] for r in requests]
+    tpot = [
+        (r["done_s"] - r["first_token_s"]) / (len(r["answer"]) - 1)
+        for r in requests
+        if len(r["answer"]) > 1
+    ]
     span = max(r["done_s"] for r in requests) - min(r["sent_s"] for r in requests)
     return Stats(
         len(requests),
@@ -70,6 +77,7 @@ def stats(run: dict[str, Any]) -> Stats:
         percentile(ttft, 0.5),
         percentile(ttft, 0.95),
         percentile(e2e, 0.5),
+        percentile(tpot, 0.5) if tpot else math.nan,
         sum(len(r["answer"]) for r in requests) / span,
         run["peak_host_bytes"],
         run["peak_device_bytes"],
@@ -161,10 +169,9 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         "## Per workload",
         "",
         "| workload | configuration | requests | prompt tokens | cached | computed | hit rate | "
-        "vs native | "
-        "TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | output tok/s | peak host GiB | "
-        "peak device GiB | peak load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "vs native | TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | decode ms/token p50 | "
+        "output tok/s | peak host GiB | peak device GiB | peak load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in workloads:
         for c in configs:
@@ -177,8 +184,8 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
                 f"| {w} | {c} | {s.requests} | {s.prompt_tokens} | {s.cached_tokens} | "
                 f"{s.prompt_tokens - s.cached_tokens} | "
                 f"{s.hit_rate:.3f} | {vs} | {s.ttft_p50:.3f} | {s.ttft_p95:.3f} | "
-                f"{s.e2e_p50:.3f} | {s.throughput:.1f} | {gib(s.peak_host_bytes)} | "
-                f"{gib(s.peak_device_bytes)} | {s.peak_load:.1f} |"
+                f"{s.e2e_p50:.3f} | {s.tpot_p50 * 1000:.1f} | {s.throughput:.1f} | "
+                f"{gib(s.peak_host_bytes)} | {gib(s.peak_device_bytes)} | {s.peak_load:.1f} |"
             )
     lines += [
         "",
@@ -226,6 +233,7 @@ def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     configs = list(data["configs"])
     workloads = list(next(iter(data["configs"].values()))["workloads"])
@@ -239,6 +247,7 @@ def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -
             ttft = sorted(r["first_token_s"] - r["sent_s"] for r in reqs)
             ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=c)
         ax.set(title=w, xlabel="TTFT (s)", ylabel="fraction of requests", xscale="log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
     axes.flat[0].legend(fontsize="small")
     _save(fig, axes, len(workloads), out.with_name(out.name + "_ttft.png"))
 

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -125,7 +126,10 @@ def run_config(overrides: dict[str, Any], scale: float) -> Run:
 
 
 def revision() -> str:
-    """The checkout measured: the implementation may change between runs."""
+    """The checkout measured: the implementation may change between runs. Empty where the
+    tree is no git checkout (a copy on a device machine); the source digest still says."""
+    if shutil.which("git") is None:
+        return ""
     git = ["git", "-C", str(Path(__file__).parents[1])]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(

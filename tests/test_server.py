@@ -1,9 +1,11 @@
 """The OpenAI server with `--kv-cache-manager hybrid-prefix`: token-id prompts, cached-token
-reporting, the plugin's Prometheus metrics, and a malformed request that must not hurt it."""
+reporting, the plugin's Prometheus metrics, a malformed request that must not hurt it, and chat
+requests whose template marks the generation opener and the system block's end (§7.1)."""
 
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_support import random_prompt
+from engine_support import NEAR_TIE, random_prompt
+
+from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +44,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "127.0.0.1",
         "--port",
         str(port),
-        "--skip-tokenizer-init",
         "--enforce-eager",
         "--max-model-len",
         "4096",
@@ -71,9 +74,11 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         process.wait(timeout=60)
 
 
-def _post(base: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _post(
+    base: str, body: dict[str, Any], endpoint: str = "completions"
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
-        f"{base}/v1/completions",
+        f"{base}/v1/{endpoint}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -137,3 +142,89 @@ def test_malformed_cache_hint_is_a_client_error(server: str) -> None:
     assert status == 400, body
     assert "cache_breakpoints" in json.dumps(body)
     assert _complete(server, random_prompt(seed=4, length=100), 4)["choices"]  # still serving
+
+
+def _text(seed: int, words: int) -> str:
+    """Words of the tiny model's tokenizer (``w0``, ``w1``, ...), one token each."""
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(DEFAULT_RECIPE.vocab_size - 16)}" for _ in range(words))
+
+
+def _chat(base: str, messages: list[dict[str, str]], max_tokens: int = 16) -> dict[str, Any]:
+    status, body = _post(
+        base,
+        {
+            "model": _model(base),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        endpoint="chat/completions",
+    )
+    assert status == 200, body
+    return body
+
+
+def _assert_matches_cold(base: str, reply: dict[str, Any]) -> None:
+    """The greedy tokens equal a cold run of the same prompt ids (a fresh cache salt misses
+    every entry), except at a near-tie of the cold run (`engine_support.NEAR_TIE`)."""
+    answer = reply["choices"][0]["token_ids"]
+    status, cold = _post(
+        base,
+        {
+            "model": _model(base),
+            "prompt": reply["prompt_token_ids"],
+            "max_tokens": len(answer),
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logprobs": 2,
+            "cache_salt": f"cold-{random.random()}",
+        },
+    )
+    assert status == 200, cold
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    choice = cold["choices"][0]
+    for i, (got, ref) in enumerate(zip(answer, choice["token_ids"], strict=True)):
+        if got != ref:
+            best = sorted(choice["logprobs"]["top_logprobs"][i].values(), reverse=True)
+            assert best[0] - best[1] < NEAR_TIE, f"token {i} differs at margin {best[0] - best[1]}"
+            return
+
+
+def _cached(reply: dict[str, Any]) -> int:
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+MESSAGE_START = DEFAULT_RECIPE.vocab_size - 2  # <|im_start|> in the tiny model's tokenizer
+
+
+def test_rerendered_chat_turn_resumes_at_the_generation_opener(server: str) -> None:
+    """Turn 2 re-renders turn 1's answer differently (as a template stripping the thinking does):
+    the opener tap of turn 1, at its final message start, is the deepest reusable point, deeper
+    than the 64-token block boundary below it."""
+    system = {"role": "system", "content": _text(10, 100)}
+    user = {"role": "user", "content": _text(11, 120)}
+    first = _chat(server, [system, user])
+    opener = len(first["prompt_token_ids"]) - 3  # <|im_start|> assistant \n
+    assert first["prompt_token_ids"][opener] == MESSAGE_START
+    assert opener % 64 > 0
+    rewritten = {"role": "assistant", "content": _text(12, 20)}
+    second = _chat(server, [system, user, rewritten, {"role": "user", "content": _text(13, 30)}])
+    assert second["prompt_token_ids"][: opener + 3] == first["prompt_token_ids"]
+    assert _cached(second) == opener
+    _assert_matches_cold(server, second)
+
+
+def test_new_conversation_resumes_at_the_end_of_the_shared_system_block(server: str) -> None:
+    system = {"role": "system", "content": _text(20, 100)}
+    first = _chat(server, [system, {"role": "user", "content": _text(21, 120)}])
+    system_end = first["prompt_token_ids"].index(MESSAGE_START, 1)
+    assert system_end % 64 > 0
+    other = _chat(server, [system, {"role": "user", "content": _text(22, 80)}])
+    shared = system_end + 1
+    assert other["prompt_token_ids"][:shared] == first["prompt_token_ids"][:shared]
+    assert _cached(other) == system_end
+    _assert_matches_cold(server, other)

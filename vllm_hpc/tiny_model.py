@@ -13,6 +13,9 @@ all 32 test prompts, and a fresh engine repeats every run exactly. When several 
 engine steps, the batch composition changes the kernels' shapes and a greedy token can flip at
 a near-tie; exactness tests therefore run the requests they compare alone.
 
+A word-level tokenizer with a ChatML chat template comes with it, so the chat path (and the tap
+hints derived from the template's special tokens) can run too.
+
 The model is built once per machine into a cache directory keyed by its recipe, and reused.
 """
 
@@ -62,7 +65,7 @@ class TinyQwen35Recipe:
     dtype: str = "bfloat16"
     # Recurrent state kept in float32 between steps, as the released Qwen3.5 checkpoints ask.
     mamba_ssm_dtype: str = "float32"
-    recipe_version: int = 1
+    recipe_version: int = 2
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -148,14 +151,58 @@ def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(recipe.lm_head_scale)
     model.to(getattr(torch, recipe.dtype)).save_pretrained(out_dir)
+    _write_tokenizer(recipe.vocab_size, out_dir)
     (out_dir / "vllm_hpc_recipe.json").write_text(json.dumps(asdict(recipe), indent=1))
+
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ROLES = ("system", "user", "assistant", "tool")
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+"""ChatML as Qwen3.5 renders it, without tools and thinking."""
+
+
+def _write_tokenizer(vocab_size: int, out_dir: Path) -> None:
+    """A word-level tokenizer over the whole vocabulary, so the chat path runs on the tiny model.
+
+    Qwen3.5's special tokens and role names are words of their own, a newline is one token, and
+    the remaining ids are filler words ``w0``, ``w1``, ...; text splits at newlines and spaces.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "\n", *ROLES, "<think>", "</think>"]
+    fillers = vocab_size - len(words) - len(SPECIAL_TOKENS)
+    vocab = [*words, *(f"w{i}" for i in range(fillers)), *SPECIAL_TOKENS]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.Split(" ", behavior="removed"),
+        ]
+    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "[UNK]",
+        "model_max_length": 32768,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 def llm_kwargs(model_dir: Path | None = None, **overrides: object) -> dict[str, object]:
     """Keyword arguments for `vllm.LLM` that run the tiny model on this machine.
 
-    Token-id prompts only (no tokenizer), eager mode (fast start-up), and a memory fraction that
-    fits the 24 GiB development machines (on CPU vLLM reads it as a fraction of RAM).
+    Token-id prompts (no tokenizer; ``skip_tokenizer_init=False`` loads the model's word-level
+    tokenizer and chat template), eager mode (fast start-up), and a memory fraction that fits the
+    24 GiB development machines (on CPU vLLM reads it as a fraction of RAM).
     """
     kwargs: dict[str, object] = {
         "model": str(model_dir or tiny_model_path()),

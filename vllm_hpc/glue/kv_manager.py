@@ -24,7 +24,8 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
-from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.glue.template_taps import chat_markers, prompt_hints
+from vllm_hpc.index import HostGeometry, IndexConfig, TapHint, TapPolicy
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
@@ -95,6 +96,9 @@ class HybridPrefixKVCacheManager:
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
         the scheduler fails them."""
         self._state_copies: list[StateCopy] = []
+        self._chat_markers = chat_markers(vllm_config.model_config)
+        self._template_hints: dict[str, tuple[TapHint, ...]] = {}
+        """Each request's hints, computed once (they scan the prompt) and dropped in `free`."""
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
             "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
@@ -140,12 +144,21 @@ class HybridPrefixKVCacheManager:
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
         """Tokens the cache serves for a waiting request (its pages come in `get_blocks`)."""
         try:
-            lookup = self.cache.lookup(request_info(request))
+            lookup = self.cache.lookup(request_info(request, self._hints(request)))
         except InfeasibleRequest as error:
             self.unservable[request.request_id] = str(error)
             return self.empty_kv_cache_blocks, 0, 0
         self._lookups[request.request_id] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
+
+    def _hints(self, request: Any) -> tuple[TapHint, ...]:
+        """The chat template's tap hints of a request's prompt, computed on its first lookup."""
+        rid = request.request_id
+        hints = self._template_hints.get(rid)
+        if hints is None:
+            hints = prompt_hints(self._chat_markers, request)
+            self._template_hints[rid] = hints
+        return hints
 
     def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
         """The chunk [start, start + n) shortened to end at the request's next exact tap."""
@@ -181,7 +194,10 @@ class HybridPrefixKVCacheManager:
                 return None
             assert lookup.frontier == num_new_computed_tokens, "vLLM changed the cached tokens"
             seq = self.cache.admit(
-                request_info(request), lookup, num_new_tokens, num_lookahead_tokens
+                request_info(request, self._hints(request)),
+                lookup,
+                num_new_tokens,
+                num_lookahead_tokens,
             )
             if seq is None:
                 return None
@@ -232,6 +248,7 @@ class HybridPrefixKVCacheManager:
         """The request finished, was aborted or preempted: endpoint snapshot and release."""
         rid = request.request_id
         self._lookups.pop(rid, None)
+        self._template_hints.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
         seq = self.sequences.pop(rid, None)
@@ -272,7 +289,7 @@ class HybridPrefixKVCacheManager:
         return self.cache.reset()
 
 
-def request_info(request: Any) -> RequestInfo:
+def request_info(request: Any, template_hints: tuple[TapHint, ...] = ()) -> RequestInfo:
     """What the runtime needs of a vLLM `Request`."""
     params = request.sampling_params
     try:
@@ -285,6 +302,7 @@ def request_info(request: Any) -> RequestInfo:
         num_prompt_tokens=request.num_prompt_tokens,
         cache_salt=request.cache_salt,
         breakpoints=breakpoints,
+        template_hints=template_hints,
         read_cache=not request.skip_reading_prefix_cache,
     )
 

@@ -361,13 +361,15 @@ def main() -> None:
     data: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
     command = " ".join(["python benchmarks/replay.py", *sys.argv[1:]])
     data.setdefault("runs", []).append({"command": command, "checkout": revision()})
+    if data.get("profile", asdict(profile)) != asdict(profile):
+        raise SystemExit(f"--resume: {args.resume} ran another profile: {data['profile']}")
     data.update(
         vllm=vllm.__version__,
         machine=machine(args.model),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
-        date=time.strftime("%Y-%m-%d %H:%M %Z"),
     )
+    data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})
     memory = Sampler()
     for config in args.configs.split(","):
@@ -381,6 +383,7 @@ def main() -> None:
         data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
         path.write_text(json.dumps(data))
     memory.stop.set()
+    path.write_text(json.dumps(data))  # also when --resume left nothing to run
     from replay_report import write_report
 
     write_report(path)

@@ -126,10 +126,11 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
             f"Command: `{r['command']}` (checkout {r['checkout'] or 'unknown'})  "
             for r in data["runs"]
         ),
-        f"Date: {data['date']}  ",
+        f"Started: {data['date']}  ",
         f"vLLM {data['vllm']}; machine: {data['machine']}  ",
         f"Profile: {', '.join(f'{k}={v}' for k, v in profile.items())}  ",
-        "Each configuration is one engine (vLLM `AsyncLLM`), started back to back in one "
+        "Each configuration is one engine (vLLM `AsyncLLM`, `vllm serve`'s defaults), started "
+        "back to back in one "
         "process; every workload runs on it in the order below. Single-session workloads send "
         "one request at a time; `mix` and the traces start sessions at Poisson arrivals "
         f"({profile['rate']}/s) with at most {profile['concurrency']} sessions in flight. "

@@ -48,7 +48,8 @@ from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
 CONFIGS = ("native", "hybrid-prefix", "native-dense")
 """In this order: a run cut short still compares hybrid-prefix with native; native-dense
-takes its retention interval from the native engine."""
+takes its retention interval from the native engine. `hybrid-prefix-host` (hybrid-prefix with
+a host tier of --host-cache-mib) runs only when named in --configs."""
 
 
 @dataclass(frozen=True)
@@ -227,14 +228,18 @@ def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[
     return built
 
 
-def engine_kwargs(config: str, profile: Profile, model: str | None, block: int) -> dict:
+def engine_kwargs(
+    config: str, profile: Profile, model: str | None, block: int, host_mib: int
+) -> dict:
     """Engine arguments of one configuration; only the cache settings differ between them."""
     cache: dict[str, Any] = {"enable_prefix_caching": True}
     if config == "native-dense":
         cache["prefix_cache_retention_interval"] = block
     extra: dict[str, Any] = {}
-    if config == "hybrid-prefix":
+    if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
+    if config == "hybrid-prefix-host":
+        extra["host_cache_mib"] = host_mib
     limits = {"max_model_len": profile.max_model_len, "gpu_memory_utilization": profile.memory}
     if model is None:
         return llm_kwargs(**limits, **cache, additional_config=extra)
@@ -287,8 +292,12 @@ async def run_config(
     }
     ids = itertools.count()
     try:
-        # One short prompt of its own first, so no workload pays the first step's set-up.
-        await send(engine, list(range(64)), params, "warm-up", time.perf_counter())
+        # Prompts of their own first, a short one and one over a prefill chunk, so no workload
+        # pays the first steps' set-up (kernel compilation on a GPU) in its TTFT.
+        chunk = config.scheduler_config.max_num_batched_tokens
+        for n in (64, chunk + 64):
+            warm = [1000 + i % 2000 for i in range(n)]
+            await send(engine, warm, params, f"warm-up-{n}", time.perf_counter())
         for name, build in builds.items():
             sessions = build()
             memory.reset()
@@ -324,6 +333,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON and report")
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--host-cache-mib", type=int, default=4096, help="host tier of hybrid-prefix-host"
+    )
     parser.add_argument("--workloads", help="comma-separated subset, by name")
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument(
@@ -333,6 +345,9 @@ def main() -> None:
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()
+    unknown = set(args.configs.split(",")) - {*CONFIGS, "hybrid-prefix-host"}
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
     base = PROFILES[args.profile]
     profile = Profile(
         **{
@@ -378,7 +393,7 @@ def main() -> None:
         block = data["configs"].get("native", {}).get("engine", {}).get("block", 0)
         if config == "native-dense" and not block:
             raise SystemExit("native-dense takes its retention interval from native: run it first")
-        kwargs = engine_kwargs(config, profile, args.model, block)
+        kwargs = engine_kwargs(config, profile, args.model, block, args.host_cache_mib)
         print(f"[{config}] starting", flush=True)
         data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
         path.write_text(json.dumps(data))

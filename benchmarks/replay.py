@@ -58,6 +58,8 @@ class Profile:
 
     scale: float
     """Length factor of the synthetic workloads (their documented shapes are at 1)."""
+    branch_scale: float
+    """The same for the branching workload, alone and in the mix: edits deep in a long history."""
     trace_scale: float
     """Length factor of the traces (1: the recorded lengths)."""
     answer: int
@@ -72,8 +74,8 @@ class Profile:
 
 
 PROFILES = {
-    "cpu": Profile(0.5, 0.25, 32, 1.0, 4, 8, 3, 5, 3000, 8192, 0.2),
-    "gpu": Profile(3.0, 1.0, 8, 0.5, 8, 8, 4, 6, 100_000, 102_400, 0.85),
+    "cpu": Profile(0.5, 1.5, 0.25, 32, 1.0, 4, 8, 3, 5, 3000, 8192, 0.2),
+    "gpu": Profile(2.0, 6.0, 1.0, 8, 1.0, 8, 8, 3, 5, 100_000, 102_400, 0.85),
 }
 
 
@@ -202,9 +204,11 @@ async def replay(
 def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[[], list[Session]]]:
     """Each workload's sessions, built afresh for every engine (the generators are consumed)."""
     shape = Shape(vocab, profile.scale)
+    branch = Shape(vocab, profile.branch_scale)
 
     def single(name: str) -> Callable[[], list[Session]]:
-        return lambda: [Session(name, 0.0, WORKLOADS[name](shape))]
+        size = branch if name == "branching" else shape
+        return lambda: [Session(name, 0.0, WORKLOADS[name](size))]
 
     def trace(which: Trace, seed: int) -> Callable[[], list[Session]]:
         def build() -> list[Session]:
@@ -222,7 +226,7 @@ def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[
         return build
 
     built: dict[str, Callable[[], list[Session]]] = {name: single(name) for name in WORKLOADS}
-    built["mix"] = lambda: mix(shape, profile.rate, profile.mix_sessions)
+    built["mix"] = lambda: mix(shape, profile.rate, profile.mix_sessions, branch=branch)
     built["mooncake trace"] = trace(MOONCAKE, 6)
     built["agent trace"] = trace(MINISWE, 7)
     return built

@@ -122,10 +122,13 @@ WORKLOADS: dict[str, Callable[[Shape], Workload]] = {
 }
 
 
-def mix(shape: Shape, rate: float, sessions: int = 12, seed: int = 5) -> list[Session]:
+def mix(
+    shape: Shape, rate: float, sessions: int = 12, seed: int = 5, branch: Shape | None = None
+) -> list[Session]:
     """Sessions of the four kinds above, in turn, starting at Poisson arrival times of `rate`
     sessions per second; every kind keeps its own reuse, and the preamble sessions share one
-    preamble among themselves, so the cache serves several clients at once.
+    preamble among themselves, so the cache serves several clients at once. `branch` sizes the
+    branching sessions apart (a long history is what makes a deep edit costly).
 
     Shape per session, smaller than alone: chat 3 turns, agent loop 3 turns, branching a
     history and 3 branches, preamble 2 requests; 12 sessions.
@@ -133,7 +136,7 @@ def mix(shape: Shape, rate: float, sessions: int = 12, seed: int = 5) -> list[Se
     kinds: list[tuple[str, Callable[[int], Workload]]] = [
         ("rerendered chat", lambda s: rerendered_chat(shape, s, turns=3)),
         ("agent loop", lambda s: agent_loop(shape, s, turns=3)),
-        ("branching", lambda s: branching(shape, s, branches=3)),
+        ("branching", lambda s: branching(branch or shape, s, branches=3)),
         ("shared preamble", lambda s: shared_preamble(shape, seed, sessions=2, user_seed=s)),
     ]
     out = []

@@ -76,3 +76,25 @@ def test_a_divergent_tail_below_a_boundary_counts_as_a_branch() -> None:
     h.tap(admission.lease, first, 3 * BLOCK)
     assert not boundary.superseded
     h.finish(admission.lease)
+
+
+def test_a_tap_captured_before_its_blocks_commit_leaves_a_shared_boundary() -> None:
+    """The engine takes a tap's slot before the chunk's blocks commit: the chain check below a
+    Boundary must wait for this conversation's own blocks, or it sees one chain and supersedes
+    a snapshot two conversations share."""
+    h = Harness(make_index(host_slabs=64, slots=8))
+    preamble = toks(9, 2 * BLOCK)
+    (boundary,) = map(
+        snap, h.run(preamble + toks(10, BLOCK + 5), taps=[2 * BLOCK], kind=SnapshotKind.BOUNDARY)
+    )
+    other = preamble + toks(11, 2 * BLOCK)
+    admission = h.admit(other)
+    assert admission.source is boundary
+    slot = h.index.take_snapshot_slot(admission.lease, SnapshotKind.TAP, 3 * BLOCK)
+    assert slot is not None and not boundary.superseded
+    h.commit(admission.lease, other, 3 * BLOCK)
+    h.index.publish_snapshot(
+        admission.lease, kind=SnapshotKind.TAP, frontier=3 * BLOCK, tail_tokens=[], slot=slot
+    )
+    assert not boundary.superseded
+    h.finish(admission.lease)

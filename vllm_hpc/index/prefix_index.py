@@ -361,10 +361,12 @@ class PrefixIndex:
                 previous is not None
                 and previous in self.store.snapshots
                 and previous.frontier < frontier
+                and _decidable(lease, previous)
                 and may_supersede(previous)
             ):
                 self.store.set_superseded(previous, True)
-        if lease.resumed_from is not None and lease.resumed_from.frontier < frontier:
+        resumed = lease.resumed_from
+        if resumed is not None and resumed.frontier < frontier and _decidable(lease, resumed):
             lease.resumed_from = None
 
     def _write_snapshot(self, snapshot: Snapshot) -> SnapshotWrite | None:
@@ -412,3 +414,16 @@ class PrefixIndex:
         write = BlockWrite(tuple(copies), todo[-1])
         self._in_flight.add(write)
         return write
+
+
+def _decidable(lease: Lease, previous: Snapshot) -> bool:
+    """Whether the lineage can tell yet if it supersedes ``previous``.
+
+    A Boundary is superseded only while the tree below it is one chain, so the check must see
+    this lease's own blocks below it: a tap captured before they are committed would otherwise
+    find only the chain of the conversation that left the Boundary and supersede a snapshot two
+    conversations share. The publication decides instead, once the blocks are in.
+    """
+    if previous.kind is not SnapshotKind.BOUNDARY:
+        return True
+    return len(lease.path) * BLOCK_TOKENS > previous.frontier

@@ -266,9 +266,10 @@ def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -
 
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, w in zip(axes.flat, workloads, strict=False):
-        for c in configs:
+        for c, style in zip(configs, ["-", "--", ":", "-."], strict=False):
             reqs = data["configs"][c]["workloads"].get(w, {}).get("requests", [])
-            ax.plot([r["cached_tokens"] for r in reqs], marker=".", label=c)
+            # Line styles apart, so configurations that cached the same stay visible.
+            ax.plot([r["cached_tokens"] for r in reqs], style, marker=".", label=c)
         ax.set(title=w, xlabel="request (by session, then turn)", ylabel="cached tokens")
     axes.flat[0].legend(fontsize="small")
     _save(fig, axes, len(workloads), out.with_name(out.name + "_cached_per_turn.png"))

@@ -73,7 +73,8 @@ def test_merge_keeps_vllm_keys() -> None:
     ("config", "message"),
     [
         ({"kv_cache_manager": "native", "host_cache_mib": 0}, "--host-cache-mib requires"),
-        ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 512}, "host tier is not"),
+        ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}, "more than this"),
+        ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": -1}, "--host-cache-mib"),
         ({"kv_cache_manager": "hybrid-prefix", "device_snapshot_slots": 0}, "at least 1"),
         ({"kv_cache_manager": "hybrid-prefix", "cache_tap_ladder": "x"}, "expected an integer"),
         (
@@ -92,7 +93,10 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
     [
         ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
-        ({"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1}}, "host"),
+        (
+            {"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}},
+            "--host-cache-mib",
+        ),
     ],
 )
 def test_llm_api_refuses_unsupported_combinations(
@@ -136,11 +140,11 @@ def test_server_refuses_an_impossible_option(tiny_model_dir: Path) -> None:
             "--kv-cache-manager",
             "hybrid-prefix",
             "--host-cache-mib",
-            "1024",
+            "1099511627776",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode != 0
-    assert "--host-cache-mib 1024" in result.stderr
+    assert "--host-cache-mib 1099511627776" in result.stderr

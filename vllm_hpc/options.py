@@ -74,6 +74,7 @@ def _switch(flag: str, value: Any) -> bool:
 
 
 _HYBRID_ONLY = "Requires --kv-cache-manager hybrid-prefix."
+DEFAULT_HOST_CACHE_MIB = 8192
 
 OPTION_SPECS: tuple[OptionSpec, ...] = (
     OptionSpec(
@@ -129,8 +130,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="host_cache_mib",
         flag="--host-cache-mib",
         help=(
-            "Host memory (MiB) for the cache's host tier; 0 keeps the cache on the device only. "
-            "The host tier is not available yet, so only 0 is accepted. " + _HYBRID_ONLY
+            "Host memory (MiB) for the cache's host tier, pinned on CUDA, per worker (default "
+            f"{DEFAULT_HOST_CACHE_MIB}); 0 keeps the cache on the device only. " + _HYBRID_ONLY
         ),
         parse=_count(0),
     ),
@@ -146,6 +147,12 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
 _SPECS = {spec.key: spec for spec in OPTION_SPECS}
 
 
+def _host_memory_mib() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total >> 20)
+
+
 @dataclass(frozen=True)
 class PluginOptions:
     """The resolved options of one engine (None: derive the default at start-up)."""
@@ -155,7 +162,7 @@ class PluginOptions:
     cache_taps_per_request: int | None = None
     cache_tap_ladder: int | None = None
     cache_tap_min_gap: int | None = None
-    host_cache_mib: int = 0
+    host_cache_mib: int = DEFAULT_HOST_CACHE_MIB
     no_prefix_reuse: bool = False
 
     @property
@@ -183,10 +190,11 @@ class PluginOptions:
                     f"{_SPECS[misplaced[0]].flag} requires --kv-cache-manager hybrid-prefix"
                 )
             return
-        if self.host_cache_mib:
+        total_mib = _host_memory_mib()
+        if self.host_cache_mib > total_mib:
             raise OptionError(
-                f"--host-cache-mib {self.host_cache_mib}: the host tier is not available yet; "
-                "use --host-cache-mib 0 (device only)"
+                f"--host-cache-mib {self.host_cache_mib} is more than this machine's "
+                f"{total_mib} MiB of memory"
             )
         if self.no_prefix_reuse:
             tap_options = sorted(

@@ -1,11 +1,16 @@
-"""The KV connector that carries each step's state copies from the scheduler to the workers.
+"""The KV connector that carries each step's copies between the scheduler and the workers.
 
 vLLM's KV-connector interface is its supported per-step channel between the scheduler and the
-model runners (V1 on CPU, V2 on CUDA). The hybrid prefix cache uses it for one thing: the
-state-slot copies of a step (captures into snapshot slots, restores into active slots), which
-the workers run in order before the step's forward pass (`bind_connector_metadata` runs before
-the forward on both runners, also on steps without tokens). Attention page copies travel in
-vLLM's own `kv_cache_block_copies`. It moves no KV to or from anywhere else.
+model runners (V1 on CPU, V2 on CUDA), in both directions. The hybrid prefix cache uses it for:
+
+- the state-slot copies of a step (captures into snapshot slots, restores into active slots),
+  which the workers run in order before the step's forward pass (`bind_connector_metadata` runs
+  before the forward on both runners, also on steps without tokens);
+- the host tier: write-through batches after them, and restores that overlap the forward pass
+  (attention layers wait in `wait_for_layer_load`, GDN layers in the state pool);
+- back to the scheduler: the write batches that have landed (`build_connector_worker_meta`).
+
+Attention page copies travel in vLLM's own `kv_cache_block_copies`.
 """
 
 from __future__ import annotations
@@ -17,16 +22,38 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
+from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
+from vllm_hpc.glue.host_layout import DeviceLayout
 from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats, TelemetryReader
-from vllm_hpc.runtime.plan import StateCopy
+from vllm_hpc.options import PluginOptions
+from vllm_hpc.runtime.plan import HostRestore, HostWrite, StateCopy
 
 
 @dataclass
-class StateCopyMetadata(KVConnectorMetadata):
+class StepMetadata(KVConnectorMetadata):
+    """What the workers copy for one step (`vllm_hpc.runtime.plan`, less vLLM's page copies)."""
+
     state_copies: list[StateCopy] = field(default_factory=list)
+    host_writes: list[HostWrite] = field(default_factory=list)
+    host_restores: list[HostRestore] = field(default_factory=list)
+
+
+@dataclass
+class WritesLanded(KVConnectorWorkerMetadata):
+    """Write-through batches that have landed, with how many workers reported each."""
+
+    batches: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, WritesLanded)
+        merged = dict(self.batches)
+        for batch, count in other.batches.items():
+            merged[batch] = merged.get(batch, 0) + count
+        return WritesLanded(merged)
 
 
 class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
@@ -35,6 +62,11 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         self._manager: Any = None
         self._telemetry = TelemetryReader()
         self._pool: Any = None
+        self._arena: HostArena | None = None
+        self._writing: list[tuple[int, TransferHandle]] = []
+        self._restores: list[RestoreHandle] = []
+        self._landed: dict[int, int] = {}
+        """Scheduler side: workers' reports of write batches not yet landed on every worker."""
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -72,8 +104,23 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         return None
 
-    def build_connector_meta(self, scheduler_output: Any) -> StateCopyMetadata:
-        return StateCopyMetadata(self._manager.take_state_copies())
+    def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        plan = self._manager.take_worker_plan()
+        return StepMetadata(plan.state_copies, plan.host_writes, plan.host_restores)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Write batches every worker has landed complete in the index."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, WritesLanded):
+            return
+        workers = self._vllm_config.parallel_config.world_size
+        done = []
+        for batch, count in meta.batches.items():
+            self._landed[batch] = self._landed.get(batch, 0) + count
+            if self._landed[batch] >= workers:
+                done.append(batch)
+                del self._landed[batch]
+        self._manager.cache.complete_writes(done)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -86,11 +133,42 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side ------------------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Bind the host tier to the attention KV caches and the state pool."""
+        options = PluginOptions.from_additional_config(self._vllm_config.additional_config)
+        if not options.host_cache_mib:
+            return
+        pool = self._state_pool()
+        layout = DeviceLayout.bind(kv_caches, self._kv_cache_config.num_blocks, pool)
+        self._arena = HostArena(
+            layout, SlabGrid.for_budget(options.host_cache_mib, layout.geometry)
+        )
+        pool.restores = self._restores
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, StateCopyMetadata)
+        assert isinstance(connector_metadata, StepMetadata)
+        # Later kernels must not overtake the previous step's restores, wherever they read.
+        for handle in self._restores:
+            handle.wait_all()
+        self._restores.clear()
         if connector_metadata.state_copies:
             self._state_pool().copy(connector_metadata.state_copies)
+        arena = self._arena
+        if arena is None:
+            return
+        for write in connector_metadata.host_writes:
+            self._writing.append((write.batch, arena.write(write.blocks, write.images)))
+        for restore in connector_metadata.host_restores:
+            self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
+
+    def build_connector_worker_meta(self) -> WritesLanded | None:
+        """Report the write batches that have landed since the last step."""
+        landed = [batch for batch, handle in self._writing if handle.done()]
+        if not landed:
+            return None
+        self._writing = [(b, h) for b, h in self._writing if b not in landed]
+        return WritesLanded(dict.fromkeys(landed, 1))
 
     def _state_pool(self) -> Any:
         if self._pool is None:
@@ -105,7 +183,9 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """An attention layer is about to read its KV: wait for this step's restores of it."""
+        for handle in self._restores:
+            handle.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -22,6 +22,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
+from vllm_hpc.glue.host_arena import SlabGrid
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.template_taps import chat_markers, prompt_hints
@@ -34,7 +35,7 @@ from vllm_hpc.runtime.cache import (
     RequestInfo,
     RuntimeConfig,
 )
-from vllm_hpc.runtime.plan import StateCopy
+from vllm_hpc.runtime.plan import StepPlan
 from vllm_hpc.runtime.sequence import Sequence
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -70,13 +71,18 @@ class HybridPrefixKVCacheManager:
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
         chunk = vllm_config.scheduler_config.max_num_batched_tokens
         policy = tap_policy(options, chunk, state_spec.active_slots, state_spec.snapshot_slots)
+        geometry = HostGeometry(page_bytes, state_spec.image_bytes)
+        host_mib = 0 if options.no_prefix_reuse else options.host_cache_mib
+        if host_mib:
+            SlabGrid.for_budget(host_mib, geometry)  # refuses a budget too small, naming it
         self.cache = HybridPrefixCache(
             RuntimeConfig(
                 index=IndexConfig(
                     device_pages=kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
                     first_page_id=1,
                     snapshot_slots=state_spec.snapshot_slots,
-                    geometry=HostGeometry(page_bytes, state_spec.image_bytes),
+                    geometry=geometry,
+                    host_budget_bytes=host_mib << 20,
                 ),
                 active_slots=state_spec.active_slots,
                 tap_policy=policy,
@@ -95,14 +101,14 @@ class HybridPrefixKVCacheManager:
         self.unservable: dict[str, str] = {}
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
         the scheduler fails them."""
-        self._state_copies: list[StateCopy] = []
+        self._worker_plan = StepPlan()
         self._chat_markers = chat_markers(vllm_config.model_config)
         self._template_hints: dict[str, tuple[TapHint, ...]] = {}
         """Each request's hints, computed once (they scan the prompt) and dropped in `free`."""
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
             "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
-            "taps at every chunk boundary: %s%s",
+            "taps at every chunk boundary: %s, host tier: %s%s",
             kv_cache_config.num_blocks - 1,
             page_bytes / 1024,
             state_spec.active_slots,
@@ -112,6 +118,7 @@ class HybridPrefixKVCacheManager:
             policy.ladder_tokens,
             policy.min_gap_tokens,
             "yes" if policy.dense_flexible else "no",
+            f"{host_mib} MiB" if host_mib else "off",
             ", prefix reuse off" if options.no_prefix_reuse else "",
         )
 
@@ -121,14 +128,15 @@ class HybridPrefixKVCacheManager:
         self.cache.new_step()
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """Hand out this step's plan: page copies to vLLM, state copies to the connector."""
+        """Hand out this step's plan: page copies to vLLM, the rest to the connector."""
         plan = self.cache.take_plan()
-        self._state_copies = plan.state_copies
+        self._worker_plan = plan
         return [KVCacheBlockCopy(c.src, c.dst) for c in plan.page_copies], []
 
-    def take_state_copies(self) -> list[StateCopy]:
-        copies, self._state_copies = self._state_copies, []
-        return copies
+    def take_worker_plan(self) -> StepPlan:
+        """The state copies and host transfers of this step, for the connector."""
+        plan, self._worker_plan = self._worker_plan, StepPlan()
+        return plan
 
     def take_new_block_ids(self) -> list[int]:
         return list(self.cache.take_new_pages())

@@ -38,6 +38,33 @@ _COUNTER_METRICS = {
         "source",
         "device",
     ),
+    "hit_tokens_host": (
+        "vllm:hpc_hit_tokens",
+        "Prompt tokens served from the hybrid prefix cache",
+        "source",
+        "host",
+    ),
+    "host_write_bytes": ("vllm:hpc_host_bytes", "Bytes moved by the host tier", "what", "written"),
+    "host_restore_bytes": (
+        "vllm:hpc_host_bytes",
+        "Bytes moved by the host tier",
+        "what",
+        "restored",
+    ),
+    "host_dead_reclaimed": ("vllm:hpc_evictions", "Cache evictions", "what", "host_dead_block"),
+    "host_superseded_evicted": (
+        "vllm:hpc_evictions",
+        "Cache evictions",
+        "what",
+        "host_superseded_snapshot",
+    ),
+    "host_gdsf_evicted": ("vllm:hpc_evictions", "Cache evictions", "what", "host_snapshot"),
+    "host_writes_declined": (
+        "vllm:hpc_host_writes_declined",
+        "Write-through batches the host tier had no room for",
+        None,
+        None,
+    ),
     "coalesced_requests": (
         "vllm:hpc_coalesced_requests",
         "Queue heads admitted after waiting for a running request's snapshot of their prefix",
@@ -71,6 +98,8 @@ _LEVEL_DOCS = {
     "active_slots_used": "Active state slots in use (running requests)",
     "device_pages_free": "Free device KV pages",
     "device_pages_evictable": "Cached device KV pages no request holds (evictable)",
+    "host_slabs_used": "Host tier slabs in use (blocks, snapshot images and tails)",
+    "host_slabs_free": "Free host tier slabs",
 }
 
 
@@ -93,7 +122,8 @@ class HybridPrefixStats(KVConnectorStats):
         summary: dict[str, int | float] = {k: v for k, v in self.data.items() if v}
         prompt = self.data.get("prompt_tokens", 0)
         if prompt:
-            summary["hit_rate"] = round(self.data.get("hit_tokens_device", 0) / prompt, 3)
+            hits = self.data.get("hit_tokens_device", 0) + self.data.get("hit_tokens_host", 0)
+            summary["hit_rate"] = round(hits / prompt, 3)
         return summary
 
     def is_empty(self) -> bool:

@@ -70,6 +70,16 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = self.state_pool.layer(self.prefix)
 
+    # vLLM's GDN custom ops (CUDA) call one of these to read and write the states: the first
+    # pass after a host restore waits here for this layer's part of it (§6.5).
+    def _forward_core(self, *args: Any, **kwargs: Any) -> Any:
+        self.state_pool.wait_restored(self.prefix)
+        return super()._forward_core(*args, **kwargs)
+
+    def _forward_core_fused_norm_packed(self, *args: Any, **kwargs: Any) -> Any:
+        self.state_pool.wait_restored(self.prefix)
+        return super()._forward_core_fused_norm_packed(*args, **kwargs)
+
 
 def _gdn_layers(model: torch.nn.Module) -> list[QwenGatedDeltaNetAttention]:
     return [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]

@@ -17,10 +17,15 @@ one budget.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
 from vllm_hpc.runtime.plan import StateCopy
+
+
+class LayerRestore(Protocol):
+    def wait_layer(self, name: str) -> None: ...
 
 
 class StatePool:
@@ -32,6 +37,13 @@ class StatePool:
         self.num_slots = 1 + active_slots + snapshot_slots
         self.device = device
         self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.restores: Sequence[LayerRestore] = ()
+        """This step's host restores (set by the connector): a layer waits for its part."""
+
+    def wait_restored(self, name: str) -> None:
+        """Layer ``name`` is about to read its states: wait for this step's restores of them."""
+        for restore in self.restores:
+            restore.wait_layer(name)
 
     def add_layer(
         self, name: str, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]

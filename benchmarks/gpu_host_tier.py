@@ -1,0 +1,114 @@
+"""The host tier on the GPU, through the real engine (27B-shaped config, dummy weights).
+
+Measures, in one engine (hybrid-prefix with a host tier, a device KV budget small enough that
+two long prompts push a third off the device):
+
+- time to first token of a host-resident 100,000-token prefix plus 100 new tokens, against a
+  cold prefill of a prompt of the same length and against the same prefix resumed from the
+  device;
+- decode throughput of 8 running requests alone, and while a long host restore is admitted.
+
+Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the cache's counters can be read. The
+restore bandwidth against the pinned-copy peak is `benchmarks/host_arena_bench.py`.
+
+    python benchmarks/gpu_host_tier.py --model .gpu/model27b --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def prompt(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def cache_of(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=100_000)
+    ap.add_argument("--host-mib", type=int, default=24_576)
+    ap.add_argument("--kv-gib", type=float, default=14.0)
+    args = ap.parse_args()
+    from vllm import LLM
+
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.length + 512,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        max_num_seqs=16,
+        enforce_eager=True,
+        seed=0,
+        additional_config={
+            "kv_cache_manager": "hybrid-prefix",
+            "host_cache_mib": args.host_mib,
+            "gdn_prefill_backend": "triton",
+        },
+    )
+    cache = cache_of(llm)
+    report: dict[str, Any] = {"args": vars(args)}
+    timed(llm, [prompt(1, 4096, vocab)], 1)  # kernels warm
+    n = args.length
+    long_a, long_b, long_c, fresh = (prompt(seed, n, vocab) for seed in (10, 11, 12, 13))
+    # Cold: a prompt of the same length nothing is cached for.
+    report["cold_ttft_s"], _ = timed(llm, [[*fresh, *prompt(13, 100, vocab)]], 1)
+    timed(llm, [long_a], 1)  # the conversation so far: its tail tap is at floor64(n - 1)
+    for other in (long_b, long_c):  # push long_a off the device (written through to the host)
+        timed(llm, [other], 1)
+    host_before = cache.admissions.hit_tokens_host, cache.host.restore_bytes
+    report["host_ttft_s"], host = timed(llm, [[*long_a, *prompt(14, 100, vocab)]], 1)
+    report["host_cached_tokens"] = host[0].num_cached_tokens
+    report["host_hit_tokens"] = cache.admissions.hit_tokens_host - host_before[0]
+    report["host_restore_bytes"] = cache.host.restore_bytes - host_before[1]
+    report["device_ttft_s"], device = timed(llm, [[*long_a, *prompt(15, 100, vocab)]], 1)
+    report["device_cached_tokens"] = device[0].num_cached_tokens
+    report["speedup_host_vs_cold"] = report["cold_ttft_s"] / report["host_ttft_s"]
+    print(json.dumps(report, indent=1), flush=True)
+
+    decoders = [prompt(100 + i, 256, vocab) for i in range(8)]
+    alone, _ = timed(llm, decoders, 256)
+    report["decode_alone_tok_s"] = 8 * 256 / alone
+    for other in (long_b, long_c):
+        timed(llm, [other], 1)
+    host_before = cache.admissions.hit_tokens_host, cache.host.restore_bytes
+    restoring = [[*long_a, *prompt(16, 100, vocab)]]
+    decoders = [prompt(200 + i, 256, vocab) for i in range(8)]
+    both, _ = timed(llm, decoders + restoring, 256)
+    report["decode_with_restore_s"] = both
+    report["decode_with_restore_hit_tokens"] = cache.admissions.hit_tokens_host - host_before[0]
+    report["decode_with_restore_tok_s"] = 8 * 256 / both
+    report["telemetry"] = cache.telemetry()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_host_tier.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

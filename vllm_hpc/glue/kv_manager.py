@@ -322,13 +322,16 @@ DENSE_SLOTS_PER_ACTIVE = 2
 def tap_policy(options: PluginOptions, chunk: int, active: int, snapshot_slots: int) -> TapPolicy:
     """The §14.2 defaults, denser when memory allows, with the user's tap options on top.
 
-    Beyond the spec: with at least two snapshot slots per running request, flexible taps are
-    also taken at every prefill chunk boundary and a prompt may leave 8 of them: a flexible tap
-    costs one state copy and no forward pass, and supersession and eviction prune what no
-    request comes back to.
+    Beyond the spec: with a host tier, or with at least two snapshot slots per running request,
+    flexible taps are also taken at every prefill chunk boundary and a prompt may leave 8 of
+    them: a flexible tap costs one state copy and no forward pass, and supersession and eviction
+    prune what no request comes back to. (Without them, a 24,000-token prompt on an engine with
+    8192-token chunks keeps no state below its last block: the ladder's first rung, n - 16384,
+    lies within the minimum gap of the prompt's start.)
     """
-    policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=options.host_cache_mib > 0)
-    if snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
+    host_tier = options.host_cache_mib > 0
+    policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=host_tier)
+    if host_tier or snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
         policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, 8))
     taps, ladder, gap = (
         options.cache_taps_per_request,

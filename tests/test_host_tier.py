@@ -140,3 +140,29 @@ def test_cancelled_while_restoring(hosted: Any, cold: Any) -> None:
     out = greedy(hosted, [prompt], ANSWER)[0]
     assert out.num_cached_tokens == 1472
     assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+
+
+def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) -> None:
+    """Two long requests hold most of the 59 pages; the head, whose source lies on the host,
+    cannot be admitted: while it waits, spare pages receive its host-only blocks (§6.6), and
+    its admission then restores only the rest. Its answer is the cold one."""
+    cache = cache_of(hosted)
+    prompt = random_prompt(seed=60, length=1500)
+    greedy(hosted, [prompt], 4)
+    push_off_device(hosted, seed=400)
+    engine = hosted.llm_engine
+    for i in range(2):
+        busy = random_prompt(seed=410 + i, length=1600)
+        engine.add_request(f"busy-{i}", {"prompt_token_ids": busy}, greedy_params(48))
+    engine.step()
+    before = cache.index.stats.blocks_prefetched
+    head = [*prompt, *random_prompt(seed=61, length=100)]
+    engine.add_request("head", {"prompt_token_ids": head}, greedy_params(ANSWER))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert cache.index.stats.blocks_prefetched > before
+    assert outputs["head"].num_cached_tokens == 1472
+    assert_same_up_to_near_tie(outputs["head"], cold, head, ANSWER)

@@ -40,6 +40,7 @@ class StepMetadata(KVConnectorMetadata):
     state_copies: list[StateCopy] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)
     host_restores: list[HostRestore] = field(default_factory=list)
+    prefetches: list[HostRestore] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         self._arena: HostArena | None = None
         self._writing: list[tuple[int, TransferHandle]] = []
         self._restores: list[RestoreHandle] = []
+        self._prefetches: list[RestoreHandle] = []
         self._landed: dict[int, int] = {}
         """Scheduler side: workers' reports of write batches not yet landed on every worker."""
 
@@ -106,7 +108,9 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         plan = self._manager.take_worker_plan()
-        return StepMetadata(plan.state_copies, plan.host_writes, plan.host_restores)
+        return StepMetadata(
+            plan.state_copies, plan.host_writes, plan.host_restores, plan.prefetches
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Write batches every worker has landed complete in the index."""
@@ -149,9 +153,10 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, StepMetadata)
         # Later kernels must not overtake the previous step's restores, wherever they read.
-        for handle in self._restores:
+        for handle in [*self._restores, *self._prefetches]:
             handle.wait_all()
         self._restores.clear()
+        self._prefetches.clear()
         if connector_metadata.state_copies:
             self._state_pool().copy(connector_metadata.state_copies)
         arena = self._arena
@@ -161,6 +166,8 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             self._writing.append((write.batch, arena.write(write.blocks, write.images)))
         for restore in connector_metadata.host_restores:
             self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
+        for prefetch in connector_metadata.prefetches:
+            self._prefetches.append(arena.restore(prefetch.blocks))
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""

@@ -208,6 +208,7 @@ class HybridPrefixKVCacheManager:
                 num_lookahead_tokens,
             )
             if seq is None:
+                self.cache.prefetch(lookup)  # vLLM keeps the head waiting: use the wait
                 return None
             self.sequences[rid] = seq
             self._schedule(seq, request, seq.base, num_new_tokens)

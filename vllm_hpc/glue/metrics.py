@@ -65,6 +65,12 @@ _COUNTER_METRICS = {
         None,
         None,
     ),
+    "blocks_prefetched": (
+        "vllm:hpc_host_prefetched_blocks",
+        "Host-only blocks copied to the device while their request waited at the queue's head",
+        None,
+        None,
+    ),
     "coalesced_requests": (
         "vllm:hpc_coalesced_requests",
         "Queue heads admitted after waiting for a running request's snapshot of their prefix",

@@ -31,7 +31,7 @@ from vllm_hpc.index.tap_planner import (
     TapSource,
     chunk_ends,
 )
-from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Restore, SnapshotWrite
+from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Prefetch, Restore, SnapshotWrite
 from vllm_hpc.index.types import (
     BLOCK_TOKENS,
     InvariantError,
@@ -68,6 +68,7 @@ __all__ = [
     "NodeId",
     "PageId",
     "PlannedTap",
+    "Prefetch",
     "PrefixIndex",
     "PreparedPrompt",
     "Publication",

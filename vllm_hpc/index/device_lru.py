@@ -29,6 +29,11 @@ class DeviceLRU:
     def __contains__(self, entry: LruEntry) -> bool:
         return entry in self._backed or entry in self._unbacked
 
+    @property
+    def num_backed(self) -> int:
+        """Entries whose eviction drops only a device copy."""
+        return len(self._backed)
+
     def is_backed(self, entry: LruEntry) -> bool:
         return entry in self._backed
 

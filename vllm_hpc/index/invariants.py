@@ -18,7 +18,7 @@ from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, SlabUse
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.store import CacheStore
-from vllm_hpc.index.transfers import BlockWrite, Transfer
+from vllm_hpc.index.transfers import BlockWrite, Prefetch, Transfer
 from vllm_hpc.index.types import BLOCK_BYTES_PACKED, InvariantError, Residency, SlabId
 
 
@@ -141,7 +141,7 @@ def _check_holds(
     pins: Counter[BlockNode] = Counter()
     snapshot_pins: Counter[Snapshot] = Counter()
     for transfer in in_flight:
-        if isinstance(transfer, BlockWrite):
+        if isinstance(transfer, BlockWrite | Prefetch):
             pins.update(_ancestors(transfer.pinned))
         else:
             snapshot_pins[transfer.snapshot] += 1

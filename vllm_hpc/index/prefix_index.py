@@ -40,7 +40,14 @@ from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.store import CacheStore
 from vllm_hpc.index.supersession import may_supersede
-from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Restore, SnapshotWrite, Transfer
+from vllm_hpc.index.transfers import (
+    BlockCopy,
+    BlockWrite,
+    Prefetch,
+    Restore,
+    SnapshotWrite,
+    Transfer,
+)
 from vllm_hpc.index.types import (
     BLOCK_BYTES_PACKED,
     BLOCK_TOKENS,
@@ -49,6 +56,9 @@ from vllm_hpc.index.types import (
     SlotId,
     SnapshotKind,
 )
+
+PREFETCH_BLOCKS = 256
+"""Blocks one prefetch copies at most (§6.6): about 1 GB of a 27B-shaped model's KV."""
 
 
 class StaleQuoteError(ValueError):
@@ -149,6 +159,46 @@ class PrefixIndex:
         if restore.tail is not None:
             self.store.land_tail_device(restore.snapshot)
         self.store.pin_snapshot(restore.snapshot, -1)
+
+    def prefetch(self, match: MatchResult, limit: int = PREFETCH_BLOCKS) -> Prefetch | None:
+        """§6.6: copy up to ``limit`` host-only blocks of the path to the deepest candidate into
+        spare device pages while its request waits; None when there is nothing to copy.
+
+        Spare pages are free ones and host-backed cached ones: a prefetch never drops a last
+        copy. The path stays pinned until ``complete_prefetch``; the blocks then sit at the MRU
+        end of the device LRU like any cached block, and the admission finds them resident.
+        """
+        if not match.candidates or not self.store.slabs.enabled:
+            return None
+        store = self.store
+        path = match.path[: match.candidates[-1].anchor.depth + 1]
+        if any(Residency.FILLING in (node.device, node.host) for node in path):
+            return None  # another transfer is landing on this path: its own time will come
+        wanted = [node for node in path if node.device is Residency.ABSENT]
+        if not wanted:
+            return None
+        store.advance()
+        store.pin_path(path[-1], 1)  # off the LRU: making room must not take the path itself
+        count = min(len(wanted), limit, store.pages.num_free + store.lru.num_backed)
+        if count == 0:
+            store.pin_path(path[-1], -1)
+            return None
+        assert store.make_device_room(count)
+        copies = []
+        for node in wanted[:count]:
+            assert node.host_slab is not None
+            copies.append(BlockCopy(node, store.fill_device(node), node.host_slab))
+        prefetch = Prefetch(tuple(copies), path[-1])
+        self._in_flight.add(prefetch)
+        self.stats.blocks_prefetched += count
+        return prefetch
+
+    def complete_prefetch(self, prefetch: Prefetch) -> None:
+        """The prefetch's copies landed: the blocks are device-resident cache."""
+        self._finish(prefetch)
+        for copy in prefetch.copies:
+            self.store.land_device(copy.node)
+        self.store.pin_path(prefetch.pinned, -1)
 
     # -- active pages -----------------------------------------------------------------------
 

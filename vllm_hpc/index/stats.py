@@ -23,6 +23,8 @@ class CacheStats:
     snapshots_duplicate: int = 0
     taps_skipped_no_slot: int = 0
     host_writes_declined: int = 0
+    blocks_prefetched: int = 0
+    """Host-only blocks copied to the device for a waiting request (§6.6)."""
     """Block or snapshot writes that found no host room (they stay device-only)."""
     # Evictions.
     device_evictions_backed: int = 0

@@ -32,6 +32,16 @@ class BlockWrite:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Prefetch:
+    """Host -> device copies of a waiting request's host-only path blocks, slab to a new
+    cache-owned page (Filling), while it waits for room (§6.6)."""
+
+    copies: tuple[BlockCopy, ...]
+    pinned: BlockNode
+    """Deepest node of the path; it and its ancestors stay pinned until completion."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class SnapshotWrite:
     """Device -> host write-through of a published snapshot's image (slot) and tail page."""
 
@@ -61,4 +71,4 @@ class Restore:
     tail_page: PageId | None
 
 
-Transfer = Restore | BlockWrite | SnapshotWrite
+Transfer = Restore | BlockWrite | SnapshotWrite | Prefetch

@@ -43,6 +43,7 @@ from vllm_hpc.index import (
     InvariantError,
     PageId,
     PlannedTap,
+    Prefetch,
     PrefixIndex,
     PreparedPrompt,
     Readiness,
@@ -128,6 +129,8 @@ class HybridPrefixCache:
         self._plans_taken = 0
         self._landing: list[Restore] = []
         """Restores whose copies are in a plan already handed out; complete at the next step."""
+        self._prefetching: list[Prefetch] = []
+        """Prefetches whose copies are in a plan already handed out; complete at the next step."""
         self._quarantine: list[tuple[int, list[PageId]]] = []
         self._retiring: list[Sequence] = []
         """Finished sequences waiting for their captures to publish before they release."""
@@ -156,6 +159,9 @@ class HybridPrefixCache:
         for restore in self._landing:
             self.index.complete_restore(restore)
         self._landing.clear()
+        for prefetch in self._prefetching:
+            self.index.complete_prefetch(prefetch)
+        self._prefetching.clear()
         keep = []
         for taken_at, pages in self._quarantine:
             if self._plans_taken > taken_at:
@@ -290,6 +296,22 @@ class HybridPrefixCache:
         if best is not None and best.scheduled_end < deepest:
             _plan_exact_tap(best, deepest)
         return best
+
+    def prefetch(self, lookup: Lookup) -> None:
+        """The queue's head cannot be admitted now: copy its source's host-only blocks into
+        spare device pages while it waits (§6.6), so its admission restores only the rest.
+
+        The copies run on the restore stream like a restore's, before the next step's forward
+        passes read anything (the workers order them), so they complete at the next step."""
+        if lookup.prompt is None or lookup.sibling is not None:
+            return
+        prefetch = self.index.prefetch(self.index.match(lookup.prompt))
+        if prefetch is None:
+            return
+        blocks = tuple((copy.slab, copy.page) for copy in prefetch.copies)
+        self._plan.prefetches.append(HostRestore(blocks, None, None))
+        self._prefetching.append(prefetch)
+        self.host.restore_bytes += len(blocks) * self.config.index.geometry.block_bytes
 
     def forget(self, request_id: str) -> None:
         """The request was admitted or left the queue: drop what its lookups kept."""
@@ -594,7 +616,7 @@ class HybridPrefixCache:
                 f"active slots: {len(self._free_slots)} free + {len(self._live)} running != "
                 f"{self.config.active_slots}"
             )
-        transfers = len(self._landing) + len(self._write_batch)
+        transfers = len(self._landing) + len(self._prefetching) + len(self._write_batch)
         transfers += sum(len(records) for records in self._writing.values())
         if self.index.num_in_flight != transfers:
             raise InvariantError(
@@ -612,7 +634,9 @@ class HybridPrefixCache:
 
     def reset(self) -> bool:
         """Drop every cached entry; refused while requests run or copies are pending."""
-        if self._retiring or self._quarantine or self._landing or self._writing:
+        if self._retiring or self._quarantine or self._landing or self._prefetching:
+            return False
+        if self._writing:
             return False
         if len(self._free_slots) != self.config.active_slots:
             return False

@@ -58,3 +58,5 @@ class StepPlan:
     page_copies: list[PageCopy] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)
     host_restores: list[HostRestore] = field(default_factory=list)
+    prefetches: list[HostRestore] = field(default_factory=list)
+    """Blocks for a waiting request (§6.6): no pass of this step reads them, so none waits."""

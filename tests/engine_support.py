@@ -43,6 +43,15 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
         llm.llm_engine.engine_core.shutdown()
 
 
+SMALL_POOL_PAGES = 60
+"""KV pages of the small-pool engines (one is vLLM's null block): 3,776 tokens."""
+
+
+def cold_reference(**overrides: Any) -> Any:
+    """The exactness reference: vLLM on the tiny model with no prefix caching at all."""
+    return running_llm(enable_prefix_caching=False, **overrides)
+
+
 def cache_of(llm: Any) -> HybridPrefixCache:
     """The hybrid prefix cache of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache

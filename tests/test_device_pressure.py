@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 from engine_support import (
     HYBRID,
+    SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
+    cold_reference,
     greedy,
     random_prompt,
     running_llm,
@@ -18,13 +20,12 @@ from engine_support import (
 
 pytestmark = pytest.mark.engine
 
-PAGES = 60  # KV pages of the small pool (one is vLLM's null block): 3,776 tokens
 ANSWER = 32
 
 
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with running_llm(enable_prefix_caching=False, max_model_len=2048) as llm:
+    with cold_reference(max_model_len=2048) as llm:
         yield llm
 
 
@@ -36,7 +37,7 @@ def small(tiny_model_dir: Any) -> Iterator[Any]:
         in_process=True,
         additional_config=config,
         max_model_len=2048,
-        num_gpu_blocks_override=PAGES,
+        num_gpu_blocks_override=SMALL_POOL_PAGES,
         max_num_seqs=4,
         max_num_batched_tokens=512,
     ) as llm:

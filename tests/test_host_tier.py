@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
+    cold_reference,
     greedy,
     greedy_params,
     random_prompt,
@@ -24,14 +26,13 @@ from engine_support import (
 
 pytestmark = pytest.mark.engine
 
-PAGES = 60  # KV pages (one is vLLM's null block): 3,776 tokens
 HOST_MIB = 32  # 1,024 slabs of 32 KiB; a 1,500-token conversation takes about 100
 ANSWER = 32
 
 
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with running_llm(enable_prefix_caching=False, max_model_len=2048) as llm:
+    with cold_reference(max_model_len=2048) as llm:
         yield llm
 
 
@@ -47,7 +48,7 @@ def hosted(tiny_model_dir: Any) -> Iterator[Any]:
         in_process=True,
         additional_config=config,
         max_model_len=2048,
-        num_gpu_blocks_override=PAGES,
+        num_gpu_blocks_override=SMALL_POOL_PAGES,
         max_num_seqs=4,
         max_num_batched_tokens=512,
     ) as llm:

@@ -73,3 +73,13 @@ def test_snapshot_images_and_tails_take_whole_slabs_through_the_index() -> None:
     assert store.slabs.num_free == 32 - 3 - 1 - 2
     assert {store.slabs.use(s) for s in snapshot.image_slabs} == {SlabUse.IMAGE}
     assert store.slabs.use(snapshot.tail_slab) is SlabUse.TAIL
+
+
+def test_a_freed_run_comes_back_ascending() -> None:
+    """The free list is a stack; a run freed and taken again must not come back reversed, or
+    the binding could not copy consecutive pages to it as one copy."""
+    pool = HostSlabPool(64 * 4096, HostGeometry(block_bytes=4096, image_bytes=8192))
+    run = pool.allocate(8, SlabUse.NODE)
+    assert run == sorted(run)
+    pool.free(run)
+    assert pool.allocate(8, SlabUse.NODE) == run

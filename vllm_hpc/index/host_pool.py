@@ -96,11 +96,13 @@ class HostSlabPool:
         return chunk, index * self.geometry.slab_bytes
 
     def allocate(self, count: int, use: SlabUse) -> list[SlabId] | None:
-        """``count`` slabs, or None when fewer are free (the caller evicts first)."""
+        """``count`` slabs in ascending order, or None when fewer are free (the caller evicts
+        first). Ascending, because the free stack hands back recently freed runs reversed, and
+        the binding copies consecutive pages to consecutive slabs as one copy."""
         assert use is not SlabUse.FREE
         if count > len(self._free):
             return None
-        taken = [self._free.pop() for _ in range(count)]
+        taken = sorted(self._free.pop() for _ in range(count))
         for slab in taken:
             self._uses[slab] = use
         return taken

@@ -81,6 +81,8 @@ def test_host_only_restore_matches_a_device_resume(hosted: Any, cold: Any) -> No
     assert restored.num_cached_tokens == 1472
     assert cache.admissions.hit_tokens_host - before == 1472
     assert tokens(restored) == tokens(again)
+    levels = cache.telemetry()
+    assert levels["host_bytes_blocks"] > 0 and levels["host_bytes_images"] > 0
 
 
 def test_a_conversation_too_long_for_the_device_keeps_hitting_from_the_host(

@@ -104,8 +104,10 @@ _LEVEL_DOCS = {
     "active_slots_used": "Active state slots in use (running requests)",
     "device_pages_free": "Free device KV pages",
     "device_pages_evictable": "Cached device KV pages no request holds (evictable)",
-    "host_slabs_used": "Host tier slabs in use (blocks, snapshot images and tails)",
-    "host_slabs_free": "Free host tier slabs",
+    "host_bytes_blocks": "Host tier bytes holding KV blocks",
+    "host_bytes_images": "Host tier bytes holding snapshot state images",
+    "host_bytes_tails": "Host tier bytes holding snapshot tail pages",
+    "host_bytes_free": "Free host tier bytes",
 }
 
 

@@ -70,6 +70,7 @@ class HostSlabPool:
             (rest,) if rest else ()
         )
         self._uses = bytearray(self.capacity)
+        self._in_use = [0] * len(SlabUse)
         self._free: list[SlabId] = [SlabId(s) for s in range(self.capacity - 1, -1, -1)]
 
     @property
@@ -83,6 +84,10 @@ class HostSlabPool:
     @property
     def free_slabs(self) -> list[SlabId]:
         return list(self._free)
+
+    def num_in_use(self, use: SlabUse) -> int:
+        """Slabs holding blocks, images or tails (for monitoring)."""
+        return self._in_use[use]
 
     def use(self, slab: SlabId) -> SlabUse:
         return SlabUse(self._uses[slab])
@@ -105,10 +110,12 @@ class HostSlabPool:
         taken = sorted(self._free.pop() for _ in range(count))
         for slab in taken:
             self._uses[slab] = use
+        self._in_use[use] += count
         return taken
 
     def free(self, slabs: tuple[SlabId, ...] | list[SlabId]) -> None:
         for slab in slabs:
             assert self._uses[slab] != SlabUse.FREE, f"slab {slab} freed twice"
+            self._in_use[self._uses[slab]] -= 1
             self._uses[slab] = SlabUse.FREE
             self._free.append(slab)

@@ -286,6 +286,9 @@ def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snaps
         slab = SlabId(index)
         want = expected.get(slab, SlabUse.FREE)
         _expect(pool.use(slab) is want, f"slab {slab} is {pool.use(slab).name}, not {want.name}")
+    for use in (SlabUse.NODE, SlabUse.IMAGE, SlabUse.TAIL):
+        count = sum(1 for u in expected.values() if u is use)
+        _expect(pool.num_in_use(use) == count, f"{use.name} slab count differs from a recount")
     slab_bytes = pool.geometry.slab_bytes
     _expect(sum(pool.chunk_slabs) == pool.capacity, "chunks do not cover the pool")
     _expect(

@@ -58,6 +58,7 @@ from vllm_hpc.index import (
     TapSource,
 )
 from vllm_hpc.index.device_pool import PageState
+from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.runtime.plan import HostRestore, HostWrite, PageCopy, StateCopy, StepPlan
 from vllm_hpc.runtime.sequence import Capture, Sequence
 from vllm_hpc.runtime.telemetry import (
@@ -592,8 +593,11 @@ class HybridPrefixCache:
         values["active_slots_used"] = len(self._live)
         values["device_pages_free"] = store.pages.num_free
         values["device_pages_evictable"] = len(store.lru)
-        values["host_slabs_used"] = store.slabs.capacity - store.slabs.num_free
-        values["host_slabs_free"] = store.slabs.num_free
+        slabs, slab_bytes = store.slabs, store.slabs.geometry.slab_bytes
+        values["host_bytes_blocks"] = slabs.num_in_use(SlabUse.NODE) * slab_bytes
+        values["host_bytes_images"] = slabs.num_in_use(SlabUse.IMAGE) * slab_bytes
+        values["host_bytes_tails"] = slabs.num_in_use(SlabUse.TAIL) * slab_bytes
+        values["host_bytes_free"] = slabs.num_free * slab_bytes
         return values
 
     def audit(self) -> None:

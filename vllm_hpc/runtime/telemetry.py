@@ -59,7 +59,9 @@ LEVELS = (
     "active_slots_used",
     "device_pages_free",
     "device_pages_evictable",
-    "host_slabs_used",
-    "host_slabs_free",
+    "host_bytes_blocks",
+    "host_bytes_images",
+    "host_bytes_tails",
+    "host_bytes_free",
 )
 """Current values, reported as they are."""

@@ -15,6 +15,8 @@ Attention page copies travel in vLLM's own `kv_cache_block_copies`.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,8 @@ from vllm_hpc.glue.host_layout import DeviceLayout
 from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats, TelemetryReader
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.plan import HostRestore, HostWrite, StateCopy
+
+logger = logging.getLogger("vllm.vllm_hpc")
 
 
 @dataclass
@@ -144,9 +148,19 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             return
         pool = self._state_pool()
         layout = DeviceLayout.bind(kv_caches, self._kv_cache_config.num_blocks, pool)
-        self._arena = HostArena(
-            layout, SlabGrid.for_budget(options.host_cache_mib, layout.geometry)
+        grid = SlabGrid.for_budget(options.host_cache_mib, layout.geometry)
+        # Pinning takes seconds per 10 GiB: say so before, and how long it took after.
+        logger.info(
+            "hybrid-prefix host tier: allocating %d MiB (%d slabs of %.2f MiB in %d chunks)%s",
+            options.host_cache_mib,
+            grid.capacity,
+            grid.slab_bytes / 2**20,
+            len(grid.chunk_slabs),
+            ", pinned" if layout.device.type == "cuda" else "",
         )
+        started = time.perf_counter()
+        self._arena = HostArena(layout, grid)
+        logger.info("hybrid-prefix host tier ready in %.1f s", time.perf_counter() - started)
         pool.restores = self._restores
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

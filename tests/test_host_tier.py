@@ -169,3 +169,18 @@ def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) ->
     assert cache.index.stats.blocks_prefetched > before
     assert outputs["head"].num_cached_tokens == 1472
     assert_same_up_to_near_tie(outputs["head"], cold, head, ANSWER)
+
+
+def test_reset_prefix_cache_right_after_a_request(hosted: Any, cold: Any) -> None:
+    """vLLM's reset works as soon as no request runs, even with the last request's endpoint
+    capture and write-through still pending; afterwards nothing is cached and answers are
+    still the cold ones."""
+    prompt = random_prompt(seed=70, length=1500)
+    greedy(hosted, [prompt], ANSWER)
+    assert hosted.reset_prefix_cache()
+    cache = cache_of(hosted)
+    cache.audit()
+    assert cache.telemetry()["snapshots"] == 0
+    out = greedy(hosted, [prompt], ANSWER)[0]
+    assert out.num_cached_tokens == 0
+    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)

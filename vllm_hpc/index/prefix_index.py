@@ -369,6 +369,13 @@ class PrefixIndex:
         self.store = CacheStore(self.config, self.stats)
         return True
 
+    def clear(self) -> None:
+        """Empty the cache whatever is open. For a caller that drops, with it, every lease,
+        capture and transfer it still tracks (an engine with no request running)."""
+        self._leases.clear()
+        self._in_flight.clear()
+        self.store = CacheStore(self.config, self.stats)
+
     @property
     def num_leases(self) -> int:
         """Sequences holding the cache (admitted and not yet released)."""

@@ -637,14 +637,29 @@ class HybridPrefixCache:
         return 1.0 - self.index.available_pages / capacity
 
     def reset(self) -> bool:
-        """Drop every cached entry; refused while requests run or copies are pending."""
-        if self._retiring or self._quarantine or self._landing or self._prefetching:
+        """Drop every cached entry; refused (False) while a request runs.
+
+        What finished requests left pending goes with it. Copies not yet handed to the workers
+        are dropped. Those handed out run before any later step's copies and passes, so they
+        cannot disturb a page or slot given out afresh, and a host write still landing writes a
+        slab before any later write to it (one stream).
+        """
+        if self._live:
             return False
-        if self._writing:
-            return False
-        if len(self._free_slots) != self.config.active_slots:
-            return False
-        return self.index.reset()
+        self._plan = StepPlan()
+        for pending in (
+            self._deferred,
+            self._retiring,
+            self._quarantine,
+            self._landing,
+            self._prefetching,
+            self._write_batch,
+            self._new_pages,
+        ):
+            pending.clear()
+        self._writing.clear()
+        self.index.clear()
+        return True
 
 
 def _pages(tokens: int) -> int:

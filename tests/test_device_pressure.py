@@ -11,7 +11,6 @@ from engine_support import (
     SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
-    cold_reference,
     greedy,
     random_prompt,
     running_llm,
@@ -21,12 +20,6 @@ from engine_support import (
 pytestmark = pytest.mark.engine
 
 ANSWER = 32
-
-
-@pytest.fixture(scope="module")
-def cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with cold_reference(max_model_len=2048) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from engine_support import (
     SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
-    cold_reference,
     greedy,
     greedy_params,
     random_prompt,
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.engine
 
 HOST_MIB = 32  # 1,024 slabs of 32 KiB; a 1,500-token conversation takes about 100
 ANSWER = 32
-
-
-@pytest.fixture(scope="module")
-def cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with cold_reference(max_model_len=2048) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) ->
             if out.finished:
                 outputs[out.request_id] = out
     assert cache.index.stats.blocks_prefetched > before
+    assert cache.index.stats.prefetched_blocks_used > 0
     assert outputs["head"].num_cached_tokens == 1472
     assert_same_up_to_near_tie(outputs["head"], cold, head, ANSWER)
 

@@ -33,6 +33,7 @@ def test_prefetch_brings_the_path_back_and_admission_finds_it_resident() -> None
     index.complete_restore(admission.restore)
     h.finish(admission.lease)
     assert index.stats.blocks_prefetched == 3
+    assert index.stats.prefetched_blocks_used == 3
 
 
 def test_prefetch_uses_only_spare_pages_and_never_drops_a_last_copy() -> None:

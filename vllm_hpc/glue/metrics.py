@@ -71,6 +71,12 @@ _COUNTER_METRICS = {
         None,
         None,
     ),
+    "prefetched_blocks_used": (
+        "vllm:hpc_host_prefetch_hits",
+        "Prefetched blocks an admission then found on the device",
+        None,
+        None,
+    ),
     "coalesced_requests": (
         "vllm:hpc_coalesced_requests",
         "Queue heads admitted after waiting for a running request's snapshot of their prefix",

@@ -295,5 +295,10 @@ def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snaps
         all(count * slab_bytes <= CHUNK_LIMIT_BYTES for count in pool.chunk_slabs),
         "a chunk exceeds 4 GiB",
     )
+    in_tree = set(nodes)
+    _expect(
+        all(n in in_tree and n.device is Residency.RESIDENT for n in store.prefetched),
+        "a prefetched block is no longer a device-resident node",
+    )
     dead = {n for n in nodes if not n.is_root and HostEvictor.is_dead(n)}
     _expect(set(store.host.dead) == dead, "dead-KV set differs from a recomputation")

@@ -120,6 +120,9 @@ class PrefixIndex:
         for node in quote.match.path[: snapshot.anchor.depth + 1]:
             store.ref(node, 1)
             lease.path.append(node)
+            if node in store.prefetched:
+                store.prefetched.remove(node)
+                self.stats.prefetched_blocks_used += 1
         store.pin_snapshot(snapshot, 1)
         room = store.make_device_room(source.restore_pages)
         assert room, "a fresh READY quote must fit"
@@ -198,6 +201,7 @@ class PrefixIndex:
         self._finish(prefetch)
         for copy in prefetch.copies:
             self.store.land_device(copy.node)
+            self.store.prefetched.add(copy.node)
         self.store.pin_path(prefetch.pinned, -1)
 
     # -- active pages -----------------------------------------------------------------------

@@ -25,6 +25,8 @@ class CacheStats:
     host_writes_declined: int = 0
     blocks_prefetched: int = 0
     """Host-only blocks copied to the device for a waiting request (§6.6)."""
+    prefetched_blocks_used: int = 0
+    """Prefetched blocks an admission then found on the device (prefetch hits)."""
     """Block or snapshot writes that found no host room (they stay device-only)."""
     # Evictions.
     device_evictions_backed: int = 0

@@ -40,6 +40,8 @@ class CacheStore:
         self.host = HostEvictor()
         self.value = GdsfValuation(config.cost, config.geometry)
         self.stats = stats
+        self.prefetched: set[BlockNode] = set()
+        """Device copies a prefetch brought back that no admission has used yet (§6.6)."""
         self.tick = Tick(0)
         """Logical clock: advanced once per mutating call; recency and quote epochs use it."""
 
@@ -161,6 +163,7 @@ class CacheStore:
 
     def drop_node_device(self, node: BlockNode) -> None:
         assert not node.held and node.device is Residency.RESIDENT and node.device_page is not None
+        self.prefetched.discard(node)
         if node.host is not Residency.RESIDENT:
             self.delete_subtree(node)
             return
@@ -195,6 +198,7 @@ class CacheStore:
                 self.host.dead.pop(node, None)
             node.device_page, node.device = None, Residency.ABSENT
             node.host_slab, node.host = None, Residency.ABSENT
+            self.prefetched.discard(node)
             self.tree.remove_leaf(node)
             self.stats.nodes_deleted += 1
 

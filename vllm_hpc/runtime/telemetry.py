@@ -48,6 +48,7 @@ INDEX_COUNTERS = (
     "host_gdsf_evicted",
     "host_writes_declined",
     "blocks_prefetched",
+    "prefetched_blocks_used",
 )
 """`vllm_hpc.index.CacheStats` fields reported."""
 COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS + tuple(f"host_{n}" for n in HOST_COUNTERS)

@@ -44,12 +44,15 @@ from hit_rate import margin, revision, source_digest
 from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
 from workloads import WORKLOADS, Session, Shape, arrivals, mix
 
+from vllm_hpc.options import DEFAULT_HOST_CACHE_MIB
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
-CONFIGS = ("native", "hybrid-prefix", "native-dense")
+CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host")
 """In this order: a run cut short still compares hybrid-prefix with native; native-dense
-takes its retention interval from the native engine. `hybrid-prefix-host` (hybrid-prefix with
-a host tier of --host-cache-mib) runs only when named in --configs."""
+takes its retention interval from the native engine. `hybrid-prefix` is the device tier alone
+(`host_cache_mib` 0), `hybrid-prefix-host` adds a host tier of --host-cache-mib. (Runs recorded
+before this split, `replay_gpu.md` and `replay_cpu_host_tier.md`, ran `hybrid-prefix` with the
+plugin's default host tier; their notes say so.)"""
 
 
 @dataclass(frozen=True)
@@ -242,8 +245,8 @@ def engine_kwargs(
     extra: dict[str, Any] = {}
     if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
-    if config == "hybrid-prefix-host":
-        extra["host_cache_mib"] = host_mib
+    if config.startswith("hybrid-prefix"):
+        extra["host_cache_mib"] = host_mib if config == "hybrid-prefix-host" else 0
     limits = {"max_model_len": profile.max_model_len, "gpu_memory_utilization": profile.memory}
     if model is None:
         return llm_kwargs(**limits, **cache, additional_config=extra)
@@ -338,7 +341,10 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument(
-        "--host-cache-mib", type=int, default=4096, help="host tier of hybrid-prefix-host"
+        "--host-cache-mib",
+        type=int,
+        default=DEFAULT_HOST_CACHE_MIB,
+        help="host tier of hybrid-prefix-host",
     )
     parser.add_argument("--workloads", help="comma-separated subset, by name")
     parser.add_argument("--traces", type=Path, default=TRACES)
@@ -349,7 +355,7 @@ def main() -> None:
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()
-    unknown = set(args.configs.split(",")) - {*CONFIGS, "hybrid-prefix-host"}
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
     base = PROFILES[args.profile]

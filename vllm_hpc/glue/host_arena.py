@@ -212,17 +212,7 @@ class HostArena:
     ) -> TransferHandle:
         """Write-through, device -> host, in one batch: ``blocks`` are (page, slab) pairs (a
         snapshot's tail page is one of them), ``images`` (state slot, image slabs) pairs."""
-        runs = self._runs(blocks)
-        steps = []
-        for layer in self.layout.layers:
-            step = _Step(layer.name)
-            if layer.is_state:
-                for slot, slabs in images:
-                    step.copies += self._image_copies(layer, slot, slabs, to_host=True)
-            else:
-                for page, slab, count in runs:
-                    step.copies += self._block_copies(layer, page, slab, count, to_host=True)
-            steps.append(step)
+        steps = self._layer_steps(self._runs(blocks), images, to_host=True)
         self.stats.write_batches += 1
         self.stats.bytes_written += _bytes(steps)
         events = self._issue(steps, 0, events_per_step=False)
@@ -242,15 +232,8 @@ class HostArena:
             for layer in self.layout.layers:
                 if not layer.is_state:
                     prelude.copies += self._block_copies(layer, page, slab, 1, to_host=False)
-        steps = [prelude]
-        for layer in self.layout.layers:
-            step = _Step(layer.name)
-            if layer.is_state and image is not None:
-                step.copies += self._image_copies(layer, image[1], image[0], to_host=False)
-            elif not layer.is_state:
-                for page, slab, count in runs:
-                    step.copies += self._block_copies(layer, page, slab, count, to_host=False)
-            steps.append(step)
+        images = [(image[1], image[0])] if image is not None else []
+        steps = [prelude, *self._layer_steps(runs, images, to_host=False)]
         self.stats.restore_batches += 1
         self.stats.bytes_restored += _bytes(steps)
         events = self._issue(steps, 1, events_per_step=True)
@@ -262,6 +245,26 @@ class HostArena:
         return RestoreHandle(events[0], layers, events[-1], device)
 
     # -- planning ---------------------------------------------------------------------------
+
+    def _layer_steps(
+        self,
+        runs: list[tuple[int, int, int]],
+        images: Sequence[tuple[int, Sequence[int]]],
+        to_host: bool,
+    ) -> list[_Step]:
+        """One step per layer in forward order: the block runs of an attention layer, the
+        (state slot, image slabs) images of a GDN layer."""
+        steps = []
+        for layer in self.layout.layers:
+            step = _Step(layer.name)
+            if layer.is_state:
+                for slot, slabs in images:
+                    step.copies += self._image_copies(layer, slot, slabs, to_host)
+            else:
+                for page, slab, count in runs:
+                    step.copies += self._block_copies(layer, page, slab, count, to_host)
+            steps.append(step)
+        return steps
 
     def _runs(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """(first page, first slab, count) runs of consecutive pages on consecutive slabs of

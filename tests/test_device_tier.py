@@ -186,3 +186,22 @@ def test_cancelled_prefill_leaves_its_blocks_and_taps(hybrid: Any, cold: Any) ->
     engine.abort_request(["cancelled"])
     out = served(hybrid, cold, prompt)
     assert out.num_cached_tokens == 1536
+
+
+def test_a_request_aborted_while_waiting(hybrid: Any, cold: Any) -> None:
+    """A client that gives up on a queued request (never admitted, so it holds nothing) must
+    not stop the engine; the request running beside it finishes with the cold answer."""
+    engine = hybrid.llm_engine
+    running, waiting = random_prompt(seed=90, length=1500), random_prompt(seed=91, length=1500)
+    engine.add_request("running", {"prompt_token_ids": running}, greedy_params(ANSWER))
+    engine.add_request("waiting", {"prompt_token_ids": waiting}, greedy_params(ANSWER))
+    engine.step()  # the first chunk of "running" takes the whole 512-token budget
+    assert cache_of(hybrid).telemetry()["active_slots_used"] == 1  # "waiting" is not admitted
+    engine.abort_request(["waiting"])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert list(outputs) == ["running"]
+    assert_same_up_to_near_tie(outputs["running"], cold, running, ANSWER)

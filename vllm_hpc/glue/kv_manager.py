@@ -226,7 +226,11 @@ class HybridPrefixKVCacheManager:
             self.cache.on_scheduled(seq, request.all_token_ids, start, start + num_new_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        seq = self.sequences[request_id]
+        """The request's pages and state slot; none for a request never admitted (vLLM asks
+        for them when it aborts a waiting request, too)."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return self.empty_kv_cache_blocks
         return self._blocks(seq.pages, seq.slot)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -6,7 +6,8 @@ two long prompts push a third off the device):
 - time to first token of a host-resident 100,000-token prefix plus 100 new tokens, against a
   cold prefill of a prompt of the same length and against the same prefix resumed from the
   device;
-- decode throughput of 8 running requests alone, and while a long host restore is admitted.
+- the engine step time of 8 decoding requests alone, while a ninth request is admitted with
+  the 100k prefix on the device, and while one is admitted restoring it from the host.
 
 Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the cache's counters can be read. The
 restore bandwidth against the pinned-copy peak is `benchmarks/host_arena_bench.py`.
@@ -39,6 +40,32 @@ def timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, l
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - start, outs
+
+
+def decode_steps(llm: Any, vocab: int, seed: int, joining: list[int] | None) -> list[float]:
+    """Milliseconds of 24 engine steps while 8 requests decode (after their prefill), with
+    ``joining`` added as the window opens; the requests are aborted afterwards."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+    ids = [f"decode-{seed}-{i}" for i in range(8)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, {"prompt_token_ids": prompt(seed + i, 256, vocab)}, params)
+    for _ in range(4):  # their prefill, then decode
+        engine.step()
+    if joining is not None:
+        once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        engine.add_request(f"joining-{seed}", {"prompt_token_ids": joining}, once)
+    steps = []
+    for _ in range(24):
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start) * 1000)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps
 
 
 def cache_of(llm: Any) -> Any:
@@ -91,18 +118,19 @@ def main() -> None:
     report["speedup_host_vs_cold"] = report["cold_ttft_s"] / report["host_ttft_s"]
     print(json.dumps(report, indent=1), flush=True)
 
-    decoders = [prompt(100 + i, 256, vocab) for i in range(8)]
-    alone, _ = timed(llm, decoders, 256)
-    report["decode_alone_tok_s"] = 8 * 256 / alone
+    # Decode of 8 running requests, step by step: alone, then while a ninth request is admitted
+    # from the device, then while one is admitted from the host (same prefix, pushed off again).
+    report["decode_step_ms_alone"] = decode_steps(llm, vocab, 300, None)
+    report["decode_step_ms_device_admission"] = decode_steps(
+        llm, vocab, 400, [*long_a, *prompt(16, 100, vocab)]
+    )
     for seed in (20, 21):  # new prompts: the cached long_b and long_c would not push
         timed(llm, [prompt(seed, n, vocab)], 1)
-    host_before = cache.admissions.hit_tokens_host, cache.host.restore_bytes
-    restoring = [[*long_a, *prompt(16, 100, vocab)]]
-    decoders = [prompt(200 + i, 256, vocab) for i in range(8)]
-    both, _ = timed(llm, decoders + restoring, 256)
-    report["decode_with_restore_s"] = both
-    report["decode_with_restore_hit_tokens"] = cache.admissions.hit_tokens_host - host_before[0]
-    report["decode_with_restore_tok_s"] = 8 * 256 / both
+    host_before = cache.admissions.hit_tokens_host
+    report["decode_step_ms_host_restore"] = decode_steps(
+        llm, vocab, 500, [*long_a, *prompt(17, 100, vocab)]
+    )
+    report["decode_host_restore_hit_tokens"] = cache.admissions.hit_tokens_host - host_before
     report["telemetry"] = cache.telemetry()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -205,3 +205,17 @@ def test_a_request_aborted_while_waiting(hybrid: Any, cold: Any) -> None:
                 outputs[out.request_id] = out
     assert list(outputs) == ["running"]
     assert_same_up_to_near_tie(outputs["running"], cold, running, ANSWER)
+
+
+def test_parallel_sampling_and_prompt_logprobs(hybrid: Any) -> None:
+    """n > 1 forks requests with one prompt (they coalesce); a request asking for prompt
+    logprobs must compute every prompt token, so it reads nothing from the cache."""
+    from vllm import SamplingParams
+
+    prompt = random_prompt(seed=95, length=1300)
+    sampled = SamplingParams(n=4, temperature=0.8, max_tokens=16, ignore_eos=True)
+    (out,) = hybrid.generate([{"prompt_token_ids": prompt}], sampled, use_tqdm=False)
+    assert len(out.outputs) == 4 and all(len(o.token_ids) == 16 for o in out.outputs)
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    (out,) = hybrid.generate([{"prompt_token_ids": prompt}], logprobs, use_tqdm=False)
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)

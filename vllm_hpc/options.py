@@ -169,6 +169,11 @@ class PluginOptions:
     def hybrid_prefix(self) -> bool:
         return self.kv_cache_manager is KVCacheManager.HYBRID_PREFIX
 
+    @property
+    def host_tier_mib(self) -> int:
+        """The host tier in effect: none with --no-prefix-reuse, which caches nothing."""
+        return 0 if self.no_prefix_reuse else self.host_cache_mib
+
     @classmethod
     def from_additional_config(cls, additional_config: object) -> PluginOptions:
         """Read and validate the plugin's keys; other keys belong to vLLM and are ignored."""

@@ -144,15 +144,16 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Bind the host tier to the attention KV caches and the state pool."""
         options = PluginOptions.from_additional_config(self._vllm_config.additional_config)
-        if not options.host_cache_mib:
+        host_mib = options.host_tier_mib
+        if not host_mib:
             return
         pool = self._state_pool()
         layout = DeviceLayout.bind(kv_caches, self._kv_cache_config.num_blocks, pool)
-        grid = SlabGrid.for_budget(options.host_cache_mib, layout.geometry)
+        grid = SlabGrid.for_budget(host_mib, layout.geometry)
         # Pinning takes seconds per 10 GiB: say so before, and how long it took after.
         logger.info(
             "hybrid-prefix host tier: allocating %d MiB (%d slabs of %.2f MiB in %d chunks)%s",
-            options.host_cache_mib,
+            host_mib,
             grid.capacity,
             grid.slab_bytes / 2**20,
             len(grid.chunk_slabs),

@@ -72,7 +72,7 @@ class HybridPrefixKVCacheManager:
         chunk = vllm_config.scheduler_config.max_num_batched_tokens
         policy = tap_policy(options, chunk, state_spec.active_slots, state_spec.snapshot_slots)
         geometry = HostGeometry(page_bytes, state_spec.image_bytes)
-        host_mib = 0 if options.no_prefix_reuse else options.host_cache_mib
+        host_mib = options.host_tier_mib
         if host_mib:
             SlabGrid.for_budget(host_mib, geometry)  # refuses a budget too small, naming it
         self.cache = HybridPrefixCache(
@@ -334,7 +334,7 @@ def tap_policy(options: PluginOptions, chunk: int, active: int, snapshot_slots: 
     8192-token chunks keeps no state below its last block: the ladder's first rung, n - 16384,
     lies within the minimum gap of the prompt's start.)
     """
-    host_tier = options.host_cache_mib > 0
+    host_tier = options.host_tier_mib > 0
     policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=host_tier)
     if host_tier or snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
         policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, 8))

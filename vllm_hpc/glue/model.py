@@ -95,7 +95,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     budget = _memory_budget(vllm_config)
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
-    spare = 2 if options.host_cache_mib == 0 else 1
+    spare = 2 if options.host_tier_mib == 0 else 1
     snapshot = options.device_snapshot_slots
     if snapshot is None:
         snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))

@@ -47,6 +47,19 @@ SMALL_POOL_PAGES = 60
 """KV pages of the small-pool engines (one is vLLM's null block): 3,776 tokens."""
 
 
+def small_pool_llm(additional_config: dict[str, Any]) -> Any:
+    """An in-process hybrid-prefix engine far too small for everything: 59 KV pages, 4 running
+    requests, 512-token prefill chunks, a 2,048-token context."""
+    return running_llm(
+        in_process=True,
+        additional_config=additional_config,
+        max_model_len=2048,
+        num_gpu_blocks_override=SMALL_POOL_PAGES,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+    )
+
+
 def cold_reference(**overrides: Any) -> Any:
     """The exactness reference: vLLM on the tiny model with no prefix caching at all."""
     return running_llm(enable_prefix_caching=False, **overrides)

@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 from engine_support import (
-    SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
     greedy,
     greedy_params,
     random_prompt,
-    running_llm,
+    small_pool_llm,
     tokens,
 )
 
@@ -37,14 +36,7 @@ def hosted(tiny_model_dir: Any) -> Iterator[Any]:
         "device_snapshot_slots": 3,
         "cache_taps_per_request": 4,
     }
-    with running_llm(
-        in_process=True,
-        additional_config=config,
-        max_model_len=2048,
-        num_gpu_blocks_override=SMALL_POOL_PAGES,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-    ) as llm:
+    with small_pool_llm(config) as llm:
         yield llm
 
 

@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_hpc.glue.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.host_layout import DeviceLayout
+from vllm_hpc.glue.metrics import TransferMeter
 from vllm_hpc.glue.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, HostSlabPool
 
@@ -251,3 +252,18 @@ def test_allocation_failure_names_the_option(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(torch, "empty", refuse)
     with pytest.raises(RuntimeError, match=r"chunk 0 .* Lower --host-cache-mib"):
         HostArena(device, SlabGrid(device.geometry, 40, 16))
+
+
+def test_transfer_meter_reports_landed_copies_as_seconds_and_bandwidth() -> None:
+    arena = _arena(torch.bfloat16)
+    meter = TransferMeter()
+    meter.track("write", arena.write(blocks=[(1, 20), (2, 21)]))
+    meter.track("restore", arena.restore(blocks=[(20, 8)]))
+    stats = meter.read()
+    assert stats is not None
+    block = arena.layout.block_bytes
+    for kind, nbytes in (("write", 2 * block), ("restore", block)):
+        seconds = stats.data[f"host_{kind}_seconds"]
+        assert seconds > 0
+        assert stats.data[f"host_{kind}_bytes_per_second"] == pytest.approx(nbytes / seconds)
+    assert meter.read() is None  # each batch is reported once

@@ -123,10 +123,21 @@ def test_next_turn_reports_its_endpoint_as_cached(server: str) -> None:
 def test_plugin_metrics_are_exported(server: str) -> None:
     with urllib.request.urlopen(f"{server}/metrics", timeout=10) as response:
         text = response.read().decode()
-    hits = [line for line in text.splitlines() if line.startswith("vllm:hpc_hit_tokens_total")]
-    assert hits and float(hits[0].rsplit(" ", 1)[1]) > 0
+    assert _sample(text, "vllm:hpc_hit_tokens_total") > 0
     assert "vllm:hpc_snapshots_published_total" in text
     assert "vllm:hpc_snapshots{" in text
+    # The first turn's blocks and endpoint were written through to the host tier, timed by the
+    # worker: the bytes and seconds give the bandwidth, also reported as a gauge.
+    assert _sample(text, "vllm:hpc_host_bytes_total{", 'what="written"') > 0
+    assert _sample(text, "vllm:hpc_host_transfer_seconds_total{", 'what="written"') > 0
+    assert _sample(text, "vllm:hpc_host_write_bytes_per_second{") > 0
+
+
+def _sample(text: str, prefix: str, label: str = "") -> float:
+    """The value of the first Prometheus sample whose line starts with ``prefix`` and names
+    ``label``."""
+    line = next(x for x in text.splitlines() if x.startswith(prefix) and label in x)
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_malformed_cache_hint_is_a_client_error(server: str) -> None:

@@ -30,7 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.host_layout import DeviceLayout
-from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats, TelemetryReader
+from vllm_hpc.glue.metrics import (
+    HybridPrefixPromMetrics,
+    HybridPrefixStats,
+    TelemetryReader,
+    TransferMeter,
+)
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.plan import HostRestore, HostWrite, StateCopy
 
@@ -66,6 +71,7 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._manager: Any = None
         self._telemetry = TelemetryReader()
+        self._meter = TransferMeter()
         self._pool: Any = None
         self._arena: HostArena | None = None
         self._writing: list[tuple[int, TransferHandle]] = []
@@ -80,10 +86,10 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
 
     def get_kv_connector_stats(self) -> HybridPrefixStats | None:
-        """The cache's counters and levels, once per step (`vllm_hpc.glue.metrics`). vLLM asks
-        both sides; only the scheduler side has a cache."""
+        """Once per step, on both sides (`vllm_hpc.glue.metrics`): the cache's counters and
+        levels from the scheduler, the copies' timing from the workers; vLLM merges the two."""
         if self._manager is None:
-            return None
+            return self._meter.read()
         return self._telemetry.read(self._manager.cache.telemetry())
 
     @classmethod
@@ -179,10 +185,13 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for write in connector_metadata.host_writes:
             self._writing.append((write.batch, arena.write(write.blocks, write.images)))
+            self._meter.track("write", self._writing[-1][1])
         for restore in connector_metadata.host_restores:
             self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
         for prefetch in connector_metadata.prefetches:
             self._prefetches.append(arena.restore(prefetch.blocks))
+        for handle in [*self._restores, *self._prefetches]:
+            self._meter.track("restore", handle)
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""

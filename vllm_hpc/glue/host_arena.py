@@ -17,6 +17,7 @@ On CPU the same plans run synchronously with `copy_` over ordinary memory; waits
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,12 +105,30 @@ class _Step:
     copies: list[_Copy] = field(default_factory=list)
 
 
+@dataclass
+class CopyTiming:
+    """When a batch's copies ran: timing events around them on the copy stream (CUDA), or the
+    seconds the synchronous copies took (CPU). Feeds the bandwidth metrics."""
+
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    cpu_seconds: float = 0.0
+
+    def seconds(self) -> float:
+        """The copy time; on CUDA only once the batch has landed."""
+        if self.start is None or self.end is None:
+            return self.cpu_seconds
+        return float(self.start.elapsed_time(self.end)) / 1000
+
+
 class TransferHandle:
     """A write-through batch in flight. The caller polls `done()` and then tells the index
     (``complete_*``): until then sources stay pinned and destinations Filling."""
 
-    def __init__(self, event: torch.cuda.Event | None, device: torch.device) -> None:
-        self._event = event
+    def __init__(self, nbytes: int, timing: CopyTiming, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.timing = timing
+        self._event = timing.end
         self._device = device
 
     def done(self) -> bool:
@@ -132,12 +151,13 @@ class RestoreHandle(TransferHandle):
 
     def __init__(
         self,
+        nbytes: int,
+        timing: CopyTiming,
         prelude: torch.cuda.Event | None,
         layers: dict[str, torch.cuda.Event],
-        last: torch.cuda.Event | None,
         device: torch.device,
     ) -> None:
-        super().__init__(last, device)
+        super().__init__(nbytes, timing, device)
         self._prelude = prelude
         self._layers = layers
 
@@ -213,10 +233,11 @@ class HostArena:
         """Write-through, device -> host, in one batch: ``blocks`` are (page, slab) pairs (a
         snapshot's tail page is one of them), ``images`` (state slot, image slabs) pairs."""
         steps = self._layer_steps(self._runs(blocks), images, to_host=True)
+        nbytes = _bytes(steps)
         self.stats.write_batches += 1
-        self.stats.bytes_written += _bytes(steps)
-        events = self._issue(steps, 0, events_per_step=False)
-        return TransferHandle(events[-1] if events else None, self.layout.device)
+        self.stats.bytes_written += nbytes
+        _, timing = self._issue(steps, 0, events_per_step=False)
+        return TransferHandle(nbytes, timing, self.layout.device)
 
     def restore(
         self,
@@ -234,15 +255,16 @@ class HostArena:
                     prelude.copies += self._block_copies(layer, page, slab, 1, to_host=False)
         images = [(image[1], image[0])] if image is not None else []
         steps = [prelude, *self._layer_steps(runs, images, to_host=False)]
+        nbytes = _bytes(steps)
         self.stats.restore_batches += 1
-        self.stats.bytes_restored += _bytes(steps)
-        events = self._issue(steps, 1, events_per_step=True)
+        self.stats.bytes_restored += nbytes
+        events, timing = self._issue(steps, 1, events_per_step=True)
         device = self.layout.device
         if not events:
-            return RestoreHandle(None, {}, None, device)
+            return RestoreHandle(nbytes, timing, None, {}, device)
         names = [step.layer for step in steps[1:] if step.layer is not None]
         layers = dict(zip(names, events[1:], strict=True))
-        return RestoreHandle(events[0], layers, events[-1], device)
+        return RestoreHandle(nbytes, timing, events[0], layers, device)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -334,17 +356,20 @@ class HostArena:
 
     def _issue(
         self, steps: list[_Step], stream_index: int, events_per_step: bool
-    ) -> list[torch.cuda.Event]:
+    ) -> tuple[list[torch.cuda.Event], CopyTiming]:
         """Run the steps in order; on CUDA, on the chosen stream behind the compute stream's
         queued work, with an event after each step (or only after the last)."""
         self.stats.copies += sum(len(step.copies) for step in steps)
         if self._cuda is None or self._streams is None:
+            started = time.perf_counter()
             for step in steps:
                 for copy in step.copies:
                     _view(copy.dst, copy).copy_(_view(copy.src, copy))
-            return []
+            return [], CopyTiming(cpu_seconds=time.perf_counter() - started)
         stream = self._streams[stream_index]
         stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         events = []
         for index, step in enumerate(steps):
             for copy in step.copies:
@@ -362,11 +387,12 @@ class HostArena:
                         copy.height,
                         stream.cuda_stream,
                     )
-            if events_per_step or index == len(steps) - 1:
-                event = torch.cuda.Event()
+            last = index == len(steps) - 1
+            if events_per_step or last:
+                event = torch.cuda.Event(enable_timing=last)
                 event.record(stream)
                 events.append(event)
-        return events
+        return events, CopyTiming(start, events[-1] if events else None)
 
 
 def _pair(host: _Span, device: _Span, width: int, height: int, to_host: bool) -> _Copy:

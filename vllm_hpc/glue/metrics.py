@@ -12,8 +12,13 @@ handling covers them; all with vLLM's `model_name` and `engine` labels):
 - `vllm:hpc_snapshots_published`, `vllm:hpc_snapshots_duplicate`, `vllm:hpc_taps_skipped`;
 - `vllm:hpc_blocks_committed{outcome="inserted"|"duplicate"}`;
 - `vllm:hpc_evictions{what="page_backed"|"page_unbacked"|"snapshot_slot"|"node"|"snapshot"}`;
+- `vllm:hpc_host_bytes{what="written"|"restored"}` and, measured by the workers,
+  `vllm:hpc_host_transfer_seconds{what=...}`: their ratio over any window is the host tier's
+  copy bandwidth;
 - gauges `vllm:hpc_snapshots`, `vllm:hpc_snapshot_slots_used`, `vllm:hpc_active_slots_used`,
-  `vllm:hpc_device_pages_free`, `vllm:hpc_device_pages_evictable`.
+  `vllm:hpc_device_pages_free`, `vllm:hpc_device_pages_evictable`, host bytes by kind, and
+  `vllm:hpc_host_{write,restore}_bytes_per_second`: the bandwidth of the copies that landed in
+  the last step that landed any.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from vllm_hpc.glue.host_arena import TransferHandle
 from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
 
 # counter name -> (Prometheus name, documentation, label name, label value)
@@ -48,6 +54,18 @@ _COUNTER_METRICS = {
     "host_restore_bytes": (
         "vllm:hpc_host_bytes",
         "Bytes moved by the host tier",
+        "what",
+        "restored",
+    ),
+    "host_write_seconds": (
+        "vllm:hpc_host_transfer_seconds",
+        "Seconds the host tier's copies took (copy stream time, measured by the workers)",
+        "what",
+        "written",
+    ),
+    "host_restore_seconds": (
+        "vllm:hpc_host_transfer_seconds",
+        "Seconds the host tier's copies took (copy stream time, measured by the workers)",
         "what",
         "restored",
     ),
@@ -114,7 +132,11 @@ _LEVEL_DOCS = {
     "host_bytes_images": "Host tier bytes holding snapshot state images",
     "host_bytes_tails": "Host tier bytes holding snapshot tail pages",
     "host_bytes_free": "Free host tier bytes",
+    "host_write_bytes_per_second": "Bandwidth of the write-through copies that landed last",
+    "host_restore_bytes_per_second": "Bandwidth of the restores and prefetches that landed last",
 }
+TRANSFER_COUNTERS = ("host_write_seconds", "host_restore_seconds")
+"""Counters the workers report (`TransferMeter`), beside the cache's `COUNTERS`."""
 
 
 @dataclass
@@ -129,7 +151,7 @@ class HybridPrefixStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged = dict(self.data)
         for name, value in other.data.items():
-            merged[name] = merged.get(name, 0) + value if name in COUNTERS else value
+            merged[name] = merged.get(name, 0) + value if _is_counter(name) else value
         return HybridPrefixStats(merged)
 
     def reduce(self) -> dict[str, int | float]:
@@ -141,7 +163,11 @@ class HybridPrefixStats(KVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in COUNTERS)
+        return not any(self.data.get(name) for name in self.data if _is_counter(name))
+
+
+def _is_counter(name: str) -> bool:
+    return name in COUNTERS or name in TRANSFER_COUNTERS
 
 
 class TelemetryReader:
@@ -160,6 +186,39 @@ class TelemetryReader:
         if not changed and all(values[n] == self._last.get(n) for n in LEVELS):
             return None
         self._last = dict(values)
+        return HybridPrefixStats(data)
+
+
+class TransferMeter:
+    """Worker side: the host tier's copy batches that have landed, as seconds and bandwidth."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, TransferHandle]] = []
+
+    def track(self, kind: str, handle: TransferHandle) -> None:
+        """``kind``: "write" or "restore" (prefetches are restores)."""
+        if handle.nbytes:
+            self._pending.append((kind, handle))
+
+    def read(self) -> HybridPrefixStats | None:
+        """The batches that landed since the last read, or None if none did."""
+        landed: list[tuple[str, TransferHandle]] = []
+        waiting: list[tuple[str, TransferHandle]] = []
+        for entry in self._pending:
+            (landed if entry[1].done() else waiting).append(entry)
+        self._pending = waiting
+        if not landed:
+            return None
+        data: dict[str, float] = {}
+        for kind in ("write", "restore"):
+            handles = [handle for k, handle in landed if k == kind]
+            if not handles:
+                continue
+            seconds = sum(handle.timing.seconds() for handle in handles)
+            data[f"host_{kind}_seconds"] = seconds
+            if seconds > 0:
+                nbytes = sum(handle.nbytes for handle in handles)
+                data[f"host_{kind}_bytes_per_second"] = nbytes / seconds
         return HybridPrefixStats(data)
 
 

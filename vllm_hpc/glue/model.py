@@ -28,10 +28,10 @@ from vllm_hpc.options import OptionError, PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
-ACTIVE_SHARE = 0.10
-"""Default cap on active state slots: this share of the device memory budget."""
+ACTIVE_SHARE = 0.05
+"""Default cap on active state slots: this share of the cache budget (memory less weights)."""
 SNAPSHOT_SHARE = 0.10
-"""Default snapshot slots: this share of the device memory budget (at least C + 2)."""
+"""Default snapshot slots: this share of the cache budget (at least C + 2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         _state_bytes(layer.get_state_shape(), layer.get_state_dtype()) for layer in layers
     )
     options = PluginOptions.from_additional_config(vllm_config.additional_config)
-    budget = _memory_budget(vllm_config)
+    budget = _cache_budget(model, vllm_config)
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
     spare = 2 if options.host_tier_mib == 0 else 1
@@ -104,7 +104,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         raise OptionError(
             f"--device-snapshot-slots {snapshot}: {1 + active + snapshot} state slots of "
             f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
-            f"{budget / 2**30:.2f} GiB device memory budget"
+            f"{budget / 2**30:.2f} GiB of device memory left for caches"
         )
     device = next(model.parameters()).device
     pool = StatePool(active, snapshot, device)
@@ -114,12 +114,13 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         pool.add_layer(layer.prefix, layer.get_state_shape(), layer.get_state_dtype())
     logger.info(
         "hybrid-prefix state pool: %d active slots (max_num_seqs %d), %d snapshot slots, "
-        "%.2f MiB per state, %.2f GiB in all",
+        "%.2f MiB per state, %.2f GiB in all of a %.2f GiB cache budget",
         active,
         max_seqs,
         snapshot,
         image_bytes / 2**20,
         pool.total_bytes / 2**30,
+        budget / 2**30,
     )
     return pool
 
@@ -131,8 +132,10 @@ def _state_bytes(shapes: Any, dtypes: Any) -> int:
     )
 
 
-def _memory_budget(vllm_config: Any) -> int:
-    """Bytes vLLM may use on this device: --kv-cache-memory-bytes, else the utilization share."""
+def _cache_budget(model: torch.nn.Module, vllm_config: Any) -> int:
+    """Bytes for caches on this device: --kv-cache-memory-bytes, else vLLM's utilization share
+    less the weights (allocated by now). The state pool's default shares are taken of this, so
+    they do not grow with a share of memory that the weights already hold."""
     cache = vllm_config.cache_config
     if cache.kv_cache_memory_bytes:
         return int(cache.kv_cache_memory_bytes)
@@ -142,7 +145,16 @@ def _memory_budget(vllm_config: Any) -> int:
         import psutil
 
         total = psutil.virtual_memory().total
-    return int(total * cache.gpu_memory_utilization)
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    budget = int(total * cache.gpu_memory_utilization) - weights
+    if budget <= 0:
+        raise OptionError(
+            f"--gpu-memory-utilization {cache.gpu_memory_utilization}: "
+            f"{total * cache.gpu_memory_utilization / 2**30:.2f} GiB leaves nothing for caches "
+            f"beside {weights / 2**30:.2f} GiB of weights"
+        )
+    return budget
 
 
 class HybridPrefixQwen3_5ForCausalLM(Qwen3_5ForCausalLM):

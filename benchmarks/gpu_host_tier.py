@@ -9,8 +9,10 @@ two long prompts push a third off the device):
 - the engine step time of 8 decoding requests alone, while a ninth request is admitted with
   the 100k prefix on the device, and while one is admitted restoring it from the host.
 
-Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the cache's counters can be read. The
-restore bandwidth against the pinned-copy peak is `benchmarks/host_arena_bench.py`.
+Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the cache's counters and the worker's
+copy timings (`TransferMeter.totals`) can be read: the host restore's bandwidth is compared with
+one contiguous pinned host-to-device copy of 1 GiB timed in the same process (the peak).
+`benchmarks/host_arena_bench.py` measures the copy patterns alone.
 
     python benchmarks/gpu_host_tier.py --model .gpu/model27b --out results/
 """
@@ -72,6 +74,29 @@ def cache_of(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
 
 
+def restore_totals() -> tuple[int, float]:
+    """Bytes and seconds of the host restores the (in-process) worker has timed so far."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().meter.totals["restore"]
+
+
+def pinned_peak_gbps(nbytes: int = 2**30) -> float:
+    """Host-to-device GB/s of one contiguous pinned copy, best of 5."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -109,10 +134,20 @@ def main() -> None:
     for other in (long_b, long_c):  # push long_a off the device (written through to the host)
         timed(llm, [other], 1)
     host_before = cache.admissions.hit_tokens_host, cache.host.restore_bytes
+    timed_before = restore_totals()
     report["host_ttft_s"], host = timed(llm, [[*long_a, *prompt(14, 100, vocab)]], 1)
     report["host_cached_tokens"] = host[0].num_cached_tokens
     report["host_hit_tokens"] = cache.admissions.hit_tokens_host - host_before[0]
     report["host_restore_bytes"] = cache.host.restore_bytes - host_before[1]
+    timed_after = restore_totals()
+    timed_bytes = timed_after[0] - timed_before[0]
+    timed_seconds = timed_after[1] - timed_before[1]
+    report["host_restore_timed_bytes"] = timed_bytes
+    report["host_restore_seconds"] = timed_seconds
+    report["host_restore_gbps"] = timed_bytes / timed_seconds / 1e9 if timed_seconds else None
+    report["pinned_peak_gbps"] = pinned_peak_gbps()
+    if report["host_restore_gbps"]:
+        report["restore_vs_peak"] = report["host_restore_gbps"] / report["pinned_peak_gbps"]
     report["device_ttft_s"], device = timed(llm, [[*long_a, *prompt(15, 100, vocab)]], 1)
     report["device_cached_tokens"] = device[0].num_cached_tokens
     report["speedup_host_vs_cold"] = report["cold_ttft_s"] / report["host_ttft_s"]

@@ -267,3 +267,4 @@ def test_transfer_meter_reports_landed_copies_as_seconds_and_bandwidth() -> None
         assert seconds > 0
         assert stats.data[f"host_{kind}_bytes_per_second"] == pytest.approx(nbytes / seconds)
     assert meter.read() is None  # each batch is reported once
+    assert meter.totals["write"][0] == 2 * block and meter.totals["restore"][0] == block

@@ -71,7 +71,8 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._manager: Any = None
         self._telemetry = TelemetryReader()
-        self._meter = TransferMeter()
+        self.meter = TransferMeter()
+        """Worker side: the host tier's copies, timed."""
         self._pool: Any = None
         self._arena: HostArena | None = None
         self._writing: list[tuple[int, TransferHandle]] = []
@@ -89,7 +90,7 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         """Once per step, on both sides (`vllm_hpc.glue.metrics`): the cache's counters and
         levels from the scheduler, the copies' timing from the workers; vLLM merges the two."""
         if self._manager is None:
-            return self._meter.read()
+            return self.meter.read()
         return self._telemetry.read(self._manager.cache.telemetry())
 
     @classmethod
@@ -185,13 +186,13 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for write in connector_metadata.host_writes:
             self._writing.append((write.batch, arena.write(write.blocks, write.images)))
-            self._meter.track("write", self._writing[-1][1])
+            self.meter.track("write", self._writing[-1][1])
         for restore in connector_metadata.host_restores:
             self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
         for prefetch in connector_metadata.prefetches:
             self._prefetches.append(arena.restore(prefetch.blocks))
         for handle in [*self._restores, *self._prefetches]:
-            self._meter.track("restore", handle)
+            self.meter.track("restore", handle)
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""

@@ -194,6 +194,8 @@ class TransferMeter:
 
     def __init__(self) -> None:
         self._pending: list[tuple[str, TransferHandle]] = []
+        self.totals: dict[str, tuple[int, float]] = {"write": (0, 0.0), "restore": (0, 0.0)}
+        """Bytes and seconds of every batch read so far, by kind (benchmarks read these)."""
 
     def track(self, kind: str, handle: TransferHandle) -> None:
         """``kind``: "write" or "restore" (prefetches are restores)."""
@@ -215,9 +217,11 @@ class TransferMeter:
             if not handles:
                 continue
             seconds = sum(handle.timing.seconds() for handle in handles)
+            nbytes = sum(handle.nbytes for handle in handles)
+            total_bytes, total_seconds = self.totals[kind]
+            self.totals[kind] = (total_bytes + nbytes, total_seconds + seconds)
             data[f"host_{kind}_seconds"] = seconds
             if seconds > 0:
-                nbytes = sum(handle.nbytes for handle in handles)
                 data[f"host_{kind}_bytes_per_second"] = nbytes / seconds
         return HybridPrefixStats(data)
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_hpc.index import HostGeometry
 
 
 class OptionError(ValueError):
@@ -209,3 +212,17 @@ class PluginOptions:
                 raise OptionError(
                     f"{_SPECS[tap_options[0]].flag} has no effect with --no-prefix-reuse"
                 )
+
+
+def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
+    """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
+    option (0, no host tier, passes). Checked once the model's block and state sizes are known."""
+    slab = geometry.slab_bytes
+    minimum = geometry.min_budget_slabs
+    if host_cache_mib and (host_cache_mib << 20) // slab < minimum:
+        need_mib = -(-minimum * slab // (1 << 20))
+        raise OptionError(
+            f"--host-cache-mib {host_cache_mib} is smaller than one snapshot with its tail plus "
+            f"one block ({minimum} slabs of {slab} bytes: at least {need_mib} MiB); use 0 to "
+            "disable the host tier"
+        )

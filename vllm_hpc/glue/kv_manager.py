@@ -22,12 +22,11 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
-from vllm_hpc.glue.host_arena import SlabGrid
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.template_taps import chat_markers, prompt_hints
 from vllm_hpc.index import HostGeometry, IndexConfig, TapHint, TapPolicy
-from vllm_hpc.options import PluginOptions
+from vllm_hpc.options import PluginOptions, check_host_budget
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
     InfeasibleRequest,
@@ -73,8 +72,7 @@ class HybridPrefixKVCacheManager:
         policy = tap_policy(options, chunk, state_spec.active_slots, state_spec.snapshot_slots)
         geometry = HostGeometry(page_bytes, state_spec.image_bytes)
         host_mib = options.host_tier_mib
-        if host_mib:
-            SlabGrid.for_budget(host_mib, geometry)  # refuses a budget too small, naming it
+        check_host_budget(host_mib, geometry)  # the index's slab pool would refuse it unnamed
         self.cache = HybridPrefixCache(
             RuntimeConfig(
                 index=IndexConfig(

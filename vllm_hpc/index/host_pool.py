@@ -40,6 +40,11 @@ class HostGeometry:
     def snapshot_slabs(self, has_tail: bool) -> int:
         return self.image_slabs + (1 if has_tail else 0)
 
+    @property
+    def min_budget_slabs(self) -> int:
+        """The smallest host tier: one snapshot with its tail plus one block."""
+        return self.snapshot_slabs(has_tail=True) + 1
+
 
 class SlabUse(IntEnum):
     FREE = 0
@@ -57,7 +62,7 @@ class HostSlabPool:
         self.geometry = geometry
         slab_bytes = geometry.slab_bytes
         self.capacity = budget_bytes // slab_bytes
-        minimum = geometry.snapshot_slabs(has_tail=True) + 1
+        minimum = geometry.min_budget_slabs
         if budget_bytes and self.capacity < minimum:
             raise ValueError(
                 f"host cache budget {budget_bytes} bytes is smaller than one snapshot with its "

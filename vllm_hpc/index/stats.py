@@ -23,11 +23,11 @@ class CacheStats:
     snapshots_duplicate: int = 0
     taps_skipped_no_slot: int = 0
     host_writes_declined: int = 0
+    """Block or snapshot writes that found no host room (they stay device-only)."""
     blocks_prefetched: int = 0
     """Host-only blocks copied to the device for a waiting request (§6.6)."""
     prefetched_blocks_used: int = 0
     """Prefetched blocks an admission then found on the device (prefetch hits)."""
-    """Block or snapshot writes that found no host room (they stay device-only)."""
     # Evictions.
     device_evictions_backed: int = 0
     device_evictions_unbacked: int = 0

@@ -8,6 +8,8 @@ collides often. After every step the index audits itself from scratch.
 
 from __future__ import annotations
 
+import copy
+from array import array
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, settings
@@ -16,9 +18,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.index.harness import BLOCK, make_index
 from vllm_hpc.index import (
+    BlockNode,
     BlockWrite,
     Lease,
     PageId,
+    Prefetch,
     PrefixIndex,
     Readiness,
     Restore,
@@ -29,6 +33,7 @@ from vllm_hpc.index import (
 from vllm_hpc.index.prompt import pack_tokens
 
 DOCS = [[(d * 31 + i * 17) % 997 for i in range(6 * BLOCK)] for d in range(2)]
+HEADS = [[*doc, 1] for doc in DOCS]
 
 
 def colliding_hash(parent: int, tokens: bytes, extra: int) -> int:
@@ -59,6 +64,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.running: list[Running] = []
         self.writes: list[BlockWrite | SnapshotWrite] = []
         self.pressure: list[list[PageId]] = []
+        self.prefetches: list[Prefetch] = []
+        self.waiting = [self.index.prepare_prompt(tokens) for tokens in HEADS]
+        """Waiting requests, each with its prepared prompt kept from step to step, as the runtime
+        keeps it; the first is the queue's head."""
         self.inflation = 0.0
 
     # -- admission ----------------------------------------------------------------------
@@ -226,6 +235,50 @@ class IndexMachine(RuleBasedStateMachine):
     def complete_write(self, pick: int) -> None:
         self._land(self.writes.pop(pick % len(self.writes)), now=True)
 
+    # -- a blocked head's prefetch (§6.6) ------------------------------------------------------
+
+    @rule(pick=st.integers(0, 99), more=st.lists(st.integers(0, 2), min_size=1, max_size=70))
+    def wait(self, pick: int, more: list[int]) -> None:
+        """A request that continues a cached snapshot's prompt starts waiting."""
+        root = self.index.store.tree.root(None)
+        snapshots = [s for s in self.index.store.snapshots if _root_of(s.anchor) is root]
+        if not snapshots or len(self.waiting) >= 5:
+            return
+        snapshot = snapshots[pick % len(snapshots)]
+        packed = b"".join(node.tokens for node in snapshot.anchor.path()) + snapshot.tail
+        self.waiting.append(self.index.prepare_prompt([*array("i", packed), *more]))
+
+    @rule()
+    def next_head(self) -> None:
+        """The head is admitted or cancelled (and comes back later): the next one is the head."""
+        self.waiting.append(self.waiting.pop(0))
+
+    @precondition(lambda self: not self.prefetches)
+    @rule(limit=st.integers(1, 4), now=st.booleans())
+    def prefetch(self, limit: int, now: bool) -> None:
+        """The blocked head asks, as every step. Whatever the index answers, often from its
+        record of the last attempt, a full attempt on a copy of the index answers the same."""
+        index = self.index
+        prompt = self.waiting[0]
+        fresh = copy.deepcopy(index)
+        fresh._fruitless = None  # no record: a full attempt
+        expected = fresh.prefetch(fresh.match(prompt), limit)
+        prefetch = index.prefetch(index.match(prompt), limit)
+        if expected is None:
+            assert prefetch is None
+            return
+        assert prefetch is not None
+        assert [c.node.depth for c in prefetch.copies] == [c.node.depth for c in expected.copies]
+        if now:
+            index.complete_prefetch(prefetch)
+        else:
+            self.prefetches.append(prefetch)
+
+    @precondition(lambda self: bool(self.prefetches))
+    @rule()
+    def complete_prefetch(self) -> None:
+        self.index.complete_prefetch(self.prefetches.pop())
+
     # -- pressure and maintenance -----------------------------------------------------------
 
     @rule(count=st.integers(1, 8))
@@ -241,7 +294,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self) -> None:
-        idle = not (self.running or self.writes or self.pressure)
+        idle = not (self.running or self.writes or self.pressure or self.prefetches)
         assert self.index.reset() is idle
         if idle:
             self.inflation = 0.0
@@ -254,6 +307,12 @@ class IndexMachine(RuleBasedStateMachine):
         inflation = self.index.store.value.inflation
         assert inflation >= self.inflation, "L decreased"
         self.inflation = inflation
+
+
+def _root_of(node: BlockNode) -> BlockNode:
+    while node.parent is not None:
+        node = node.parent
+    return node
 
 
 IndexMachine.TestCase.settings = settings(

@@ -37,13 +37,15 @@ class DeviceLRU:
     def is_backed(self, entry: LruEntry) -> bool:
         return entry in self._backed
 
-    def place(self, entry: LruEntry, backed: bool) -> None:
+    def place(self, entry: LruEntry, backed: bool) -> bool:
         """Keep ``entry`` in the list matching ``backed``: its position if already there, else
-        appended at the MRU end."""
+        appended at the MRU end. True when it joined the backed list just now."""
         target, other = (self._backed, self._unbacked) if backed else (self._unbacked, self._backed)
-        if entry not in target:
-            other.pop(entry, None)
-            target[entry] = None
+        if entry in target:
+            return False
+        other.pop(entry, None)
+        target[entry] = None
+        return backed
 
     def remove(self, entry: LruEntry) -> None:
         if entry in self._backed:

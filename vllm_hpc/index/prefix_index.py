@@ -18,6 +18,7 @@ A request's life::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from vllm_hpc.index.admission import (
     Admission,
@@ -65,6 +66,28 @@ class StaleQuoteError(ValueError):
     """The cache changed between ``quote`` and ``acquire``: quote again."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _FruitlessPrefetch:
+    """A prefetch attempt that copied nothing, and what its answer depended on (§6.6)."""
+
+    target: Snapshot | None
+    """The match's deepest candidate: the prefetch copies its path."""
+    limit: int
+    epoch: int
+    """``CacheStore.prefetch_epoch`` after the attempt."""
+    free_pages: int
+
+    def still_holds(self, match: MatchResult, limit: int, store: CacheStore) -> bool:
+        """Whether an attempt now is sure to copy nothing as well: the same deepest candidate
+        (so the same path), no change since that can open a copy, no more free pages."""
+        return (
+            _target(match) is self.target
+            and limit == self.limit
+            and store.prefetch_epoch == self.epoch
+            and store.pages.num_free <= self.free_pages
+        )
+
+
 class PrefixIndex:
     def __init__(self, config: IndexConfig) -> None:
         self.config = config
@@ -73,6 +96,7 @@ class PrefixIndex:
         """Internal state, exposed for tests and diagnostics: mutate only through this facade."""
         self._leases: set[Lease] = set()
         self._in_flight: set[Transfer] = set()
+        self._fruitless: _FruitlessPrefetch | None = None
 
     # -- lookup and admission ---------------------------------------------------------------
 
@@ -101,13 +125,17 @@ class PrefixIndex:
         )
         return AdmissionQuote(readiness, source, need, match, store.tick)
 
+    def is_current(self, quote: AdmissionQuote) -> bool:
+        """Nothing changed since ``quote``: its match and source still hold."""
+        return quote.epoch == self.store.tick
+
     def acquire(self, quote: AdmissionQuote) -> Admission:
         """Ref the quoted source's path, pin its snapshot and reserve restore destinations."""
         store = self.store
         source = quote.source
         if source is None:
             raise ValueError(f"cannot acquire a {quote.readiness.value} quote")
-        if quote.epoch != store.tick:
+        if not self.is_current(quote):
             raise StaleQuoteError(f"quote of tick {quote.epoch}, cache at tick {store.tick}")
         store.advance()
         lease = Lease(store.tree.root_for(quote.match.prompt.cache_salt))
@@ -170,7 +198,30 @@ class PrefixIndex:
         Spare pages are free ones and host-backed cached ones: a prefetch never drops a last
         copy. The path stays pinned until ``complete_prefetch``; the blocks then sit at the MRU
         end of the device LRU like any cached block, and the admission finds them resident.
+
+        A request waits for many steps, and checking its path costs about as much as matching
+        it. After an attempt that copied nothing, an attempt for a match with the same deepest
+        candidate is answered without a look at the path until a change that can open a copy
+        (``CacheStore.prefetch_epoch``) or more free pages. (The spec retries while the last
+        attempt copied blocks or spare room grew; a landing or an eviction can open one too.)
+        ``match`` must be current, as for ``quote``.
         """
+        store = self.store
+        last = self._fruitless
+        if last is not None and last.still_holds(match, limit, store):
+            self.stats.prefetches_skipped += 1
+            return None
+        prefetch = self._prefetch(match, limit)
+        self._fruitless = (
+            None
+            if prefetch is not None
+            else _FruitlessPrefetch(
+                _target(match), limit, store.prefetch_epoch, store.pages.num_free
+            )
+        )
+        return prefetch
+
+    def _prefetch(self, match: MatchResult, limit: int) -> Prefetch | None:
         if not match.candidates or not self.store.slabs.enabled:
             return None
         store = self.store
@@ -371,6 +422,7 @@ class PrefixIndex:
         if store.pages.pages_in(PageState.ACTIVE):
             return False
         self.store = CacheStore(self.config, self.stats)
+        self._fruitless = None
         return True
 
     def clear(self) -> None:
@@ -379,6 +431,7 @@ class PrefixIndex:
         self._leases.clear()
         self._in_flight.clear()
         self.store = CacheStore(self.config, self.stats)
+        self._fruitless = None
 
     @property
     def num_leases(self) -> int:
@@ -475,6 +528,11 @@ class PrefixIndex:
         write = BlockWrite(tuple(copies), todo[-1])
         self._in_flight.add(write)
         return write
+
+
+def _target(match: MatchResult) -> Snapshot | None:
+    """The snapshot a prefetch for ``match`` copies the path of: the deepest candidate."""
+    return match.candidates[-1] if match.candidates else None
 
 
 def _decidable(lease: Lease, previous: Snapshot) -> bool:

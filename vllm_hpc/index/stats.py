@@ -28,6 +28,9 @@ class CacheStats:
     """Host-only blocks copied to the device for a waiting request (§6.6)."""
     prefetched_blocks_used: int = 0
     """Prefetched blocks an admission then found on the device (prefetch hits)."""
+    prefetches_skipped: int = 0
+    """Prefetch attempts answered from the last fruitless one: nothing that could open a copy
+    changed since."""
     # Evictions.
     device_evictions_backed: int = 0
     device_evictions_unbacked: int = 0

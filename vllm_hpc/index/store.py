@@ -44,6 +44,13 @@ class CacheStore:
         """Device copies a prefetch brought back that no admission has used yet (§6.6)."""
         self.tick = Tick(0)
         """Logical clock: advanced once per mutating call; recency and quote epochs use it."""
+        self.prefetch_epoch = 0
+        """Counts the changes that can let a prefetch for the same deepest snapshot copy what it
+        could not (§6.6): a copy landing (a Filling path no longer blocks), a device copy dropped
+        from a node that stays (a block to copy), an entry joining the host-backed device LRU
+        (spare room). Free pages, the rest of spare room, the prefetch compares itself; a
+        snapshot or node deleted or added changes the deepest snapshot of a match, or does not
+        touch its path."""
 
     def advance(self) -> None:
         self.tick = Tick(self.tick + 1)
@@ -56,14 +63,16 @@ class CacheStore:
             self.tree.discard_root_if_idle(node)
             return
         if node.device is Residency.RESIDENT and not node.held:
-            self.lru.place(node, backed=node.host is Residency.RESIDENT)
+            if self.lru.place(node, backed=node.host is Residency.RESIDENT):
+                self.prefetch_epoch += 1
         else:
             self.lru.remove(node)
         self.host.sync_dead(node)
 
     def sync_tail(self, snapshot: Snapshot) -> None:
         if snapshot.tail_device is Residency.RESIDENT and snapshot.restore_pins == 0:
-            self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT)
+            if self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT):
+                self.prefetch_epoch += 1
         else:
             self.lru.remove(snapshot)
 
@@ -122,6 +131,7 @@ class CacheStore:
         assert node.device is Residency.FILLING and node.device_page is not None
         self.pages.set_state(node.device_page, PageState.FILLING, PageState.CACHED)
         node.device = Residency.RESIDENT
+        self.prefetch_epoch += 1
         self.sync_node(node)
 
     def fill_host(self, node: BlockNode, slab: SlabId) -> None:
@@ -133,6 +143,7 @@ class CacheStore:
     def land_host(self, node: BlockNode) -> None:
         assert node.host is Residency.FILLING
         node.host = Residency.RESIDENT
+        self.prefetch_epoch += 1
         self.sync_node(node)
 
     def fill_tail_device(self, snapshot: Snapshot) -> PageId:
@@ -170,6 +181,7 @@ class CacheStore:
         self.pages.free((node.device_page,))
         node.device_page = None
         node.device = Residency.ABSENT
+        self.prefetch_epoch += 1
         self.sync_node(node)
 
     def drop_node_host(self, node: BlockNode) -> None:

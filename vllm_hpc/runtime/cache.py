@@ -114,6 +114,8 @@ class Lookup:
     sibling: Sequence | None = None
     """A running request that is prefilling more of this prompt than the cache serves now: the
     request waits for its snapshot instead of prefilling the same tokens (§12.2)."""
+    read_cache: bool = True
+    """False: the request reads nothing from the cache (its quote's match has no candidates)."""
 
 
 class HybridPrefixCache:
@@ -269,7 +271,7 @@ class HybridPrefixCache:
         sibling = self._sibling(prompt, request, frontier) if request.read_cache else None
         if sibling is not None:
             self._waited.add(request.request_id)
-        return Lookup(quote, frontier, taps, prompt, sibling)
+        return Lookup(quote, frontier, taps, prompt, sibling, request.read_cache)
 
     def _sibling(
         self, prompt: PreparedPrompt, request: RequestInfo, frontier: int
@@ -303,10 +305,16 @@ class HybridPrefixCache:
         spare device pages while it waits (§6.6), so its admission restores only the rest.
 
         The copies run on the restore stream like a restore's, before the next step's forward
-        passes read anything (the workers order them), so they complete at the next step."""
-        if lookup.prompt is None or lookup.sibling is not None:
+        passes read anything (the workers order them), so they complete at the next step.
+        The lookup's match serves unless the cache changed since (matching walks the whole
+        prompt); the index answers at once while nothing that could open a copy changed."""
+        quote = lookup.quote
+        if quote is None or lookup.prompt is None or not lookup.read_cache:
             return
-        prefetch = self.index.prefetch(self.index.match(lookup.prompt))
+        if lookup.sibling is not None:
+            return
+        match = quote.match if self.index.is_current(quote) else self.index.match(lookup.prompt)
+        prefetch = self.index.prefetch(match)
         if prefetch is None:
             return
         blocks = tuple((copy.slab, copy.page) for copy in prefetch.copies)

@@ -51,8 +51,23 @@ def test_superseded_snapshots_go_first_and_keep_l() -> None:
     # Nothing is dead, and the superseded snapshot goes before GDSF is consulted.
     h.run(toks(7, 2 * BLOCK))
     assert h.index.stats.host_superseded_evicted == 1
-    assert old.snapshot not in h.index.store.snapshots
+    # Only its host copy went: it still sits in a device slot and serves an edit there.
+    assert old.snapshot in h.index.store.snapshots
+    assert old.snapshot.image_host is Residency.ABSENT and old.snapshot.slot is not None
     assert h.index.store.value.inflation == 0.0
+    h.check()
+    edit = prompt[: BLOCK + 3] + toks(11, BLOCK)
+    assert h.index.match(h.index.prepare_prompt(edit)).candidates[-1] is old.snapshot
+
+
+def test_a_superseded_snapshot_without_a_device_copy_is_deleted() -> None:
+    h = Harness(make_index(host_slabs=6, slots=4))
+    old, new = h.run(toks(6, 3 * BLOCK + 5), taps=[BLOCK, 3 * BLOCK])
+    assert old is not None and new is not None
+    h.index.store.drop_snapshot_image_device(old.snapshot)
+    h.run(toks(7, 2 * BLOCK))
+    assert h.index.stats.host_superseded_evicted == 1
+    assert old.snapshot not in h.index.store.snapshots
     h.check()
 
 

@@ -24,7 +24,9 @@ class DeadBlock:
 
 @dataclass(frozen=True, slots=True)
 class StaleSnapshot:
-    """Step 2: the oldest superseded snapshot; evicted entirely, L unchanged."""
+    """Step 2: the oldest superseded snapshot loses its host copy, L unchanged. The spec evicts
+    it entirely; a copy still in a device slot is kept here, since it costs the host nothing and
+    device slot eviction takes superseded owners first anyway."""
 
     snapshot: Snapshot
 

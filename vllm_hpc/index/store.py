@@ -344,8 +344,10 @@ class CacheStore:
                     self.stats.host_dead_reclaimed += 1
                     self.drop_node_host(node)
                 case StaleSnapshot(snapshot):
+                    # Only the host copy: one still in a device slot keeps serving edits and
+                    # retries until the slot is wanted (superseded owners go first there too).
                     self.stats.host_superseded_evicted += 1
-                    self.delete_snapshot(snapshot)
+                    self.drop_snapshot_host(snapshot)
                 case ValuedSnapshot(snapshot):
                     self.stats.host_gdsf_evicted += 1
                     self.value.inflate(snapshot.priority)

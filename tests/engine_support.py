@@ -13,6 +13,9 @@ from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
 HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 """Device tier only: the tests of the device tier keep the host tier out of the picture."""
+GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
+"""Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
+``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
 NEAR_TIE = 0.5
 """Nats: below this top-1 margin, two logits are a few bf16 ulps apart (the model's logits are
 ~16-32, where one ulp is 0.125-0.25), and batching alone can flip the greedy choice."""
@@ -27,6 +30,12 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
     """
     from vllm import LLM
 
+    backend = os.environ.get(GDN_BACKEND_ENV)
+    if backend:
+        overrides["additional_config"] = {
+            **overrides.get("additional_config", {}),
+            "gdn_prefill_backend": backend,
+        }
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -27,8 +27,14 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
 
     ``in_process`` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
     so a test can inspect the cache's state (`cache_of`) and step the engine itself.
+
+    vLLM keeps two things per process that must not pass from one test engine to the next: its
+    environment cache (an in-process engine freezes VLLM_ENABLE_V1_MULTIPROCESSING=0 for every
+    later engine) and the worker's KV-connector agent (a later in-process engine would bind to
+    the previous one's). Seen on CUDA, where the V2 runner then asserts.
     """
-    from vllm import LLM
+    from vllm import LLM, envs
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     backend = os.environ.get(GDN_BACKEND_ENV)
     if backend:
@@ -36,6 +42,7 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
             **overrides.get("additional_config", {}),
             "gdn_prefill_backend": backend,
         }
+    envs.disable_envs_cache()
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -50,6 +57,8 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+        if in_process:
+            ensure_kv_transfer_shutdown()
 
 
 SMALL_POOL_PAGES = 60

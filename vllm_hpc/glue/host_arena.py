@@ -27,6 +27,7 @@ import torch
 from vllm_hpc.glue.cudart import CudaRuntime
 from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
+from vllm_hpc.options import check_host_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +45,7 @@ class SlabGrid:
     @classmethod
     def for_budget(cls, host_cache_mib: int, geometry: HostGeometry) -> SlabGrid:
         """The grid of a ``--host-cache-mib`` budget, taken from the index's own pool."""
-        slab = geometry.slab_bytes
-        minimum = geometry.snapshot_slabs(has_tail=True) + 1
-        if (host_cache_mib << 20) // slab < minimum:
-            need_mib = -(-minimum * slab // (1 << 20))
-            raise ValueError(
-                f"--host-cache-mib {host_cache_mib} is smaller than one snapshot with its tail "
-                f"plus one block ({minimum} slabs of {slab} bytes: at least {need_mib} MiB); "
-                "use 0 to disable the host tier"
-            )
+        check_host_budget(host_cache_mib, geometry)
         return cls.of(HostSlabPool(host_cache_mib << 20, geometry))
 
     @property

@@ -95,6 +95,12 @@ _COUNTER_METRICS = {
         None,
         None,
     ),
+    "prefetches_skipped": (
+        "vllm:hpc_host_prefetches_skipped",
+        "Steps whose prefetch for the blocked head was answered from the last fruitless attempt",
+        None,
+        None,
+    ),
     "coalesced_requests": (
         "vllm:hpc_coalesced_requests",
         "Queue heads admitted after waiting for a running request's snapshot of their prefix",

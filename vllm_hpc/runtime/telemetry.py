@@ -49,6 +49,7 @@ INDEX_COUNTERS = (
     "host_writes_declined",
     "blocks_prefetched",
     "prefetched_blocks_used",
+    "prefetches_skipped",
 )
 """`vllm_hpc.index.CacheStats` fields reported."""
 COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS + tuple(f"host_{n}" for n in HOST_COUNTERS)

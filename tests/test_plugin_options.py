@@ -76,6 +76,7 @@ def test_merge_keeps_vllm_keys() -> None:
         ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}, "more than this"),
         ({"kv_cache_manager": "hybrid-prefix", "host_cache_mib": -1}, "--host-cache-mib"),
         ({"kv_cache_manager": "hybrid-prefix", "device_snapshot_slots": 0}, "at least 1"),
+        ({"kv_cache_manager": "hybrid-prefix", "active_state_slots": 0}, "--active-state-slots"),
         ({"kv_cache_manager": "hybrid-prefix", "cache_tap_ladder": "x"}, "expected an integer"),
         (
             {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_tap_ladder": 512},
@@ -148,3 +149,33 @@ def test_server_refuses_an_impossible_option(tiny_model_dir: Path) -> None:
     )
     assert result.returncode != 0
     assert "--host-cache-mib 1099511627776" in result.stderr
+
+
+MIB = 1 << 20
+
+
+def _sized(budget_mib: int, max_seqs: int = 256, **options: Any) -> tuple[int, int]:
+    from vllm_hpc.glue.model import size_state_pool
+
+    config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0, **options}
+    return size_state_pool(
+        PluginOptions.from_additional_config(config), budget_mib * MIB, MIB, max_seqs
+    )
+
+
+def test_state_pool_defaults_are_shares_of_the_cache_budget() -> None:
+    assert _sized(1000) == (50, 100)  # 5% and 10% of 1000 one-MiB states
+    assert _sized(1000, max_seqs=8) == (8, 100)  # C never exceeds max_num_seqs
+    assert _sized(100) == (5, 10)
+    assert _sized(30) == (1, 3)  # at least one active slot, D at least C + 2
+
+
+def test_state_pool_options_override_and_are_checked_against_the_budget() -> None:
+    assert _sized(1000, active_state_slots=200) == (200, 202)
+    assert _sized(1000, active_state_slots=200, device_snapshot_slots=10) == (200, 10)
+    with pytest.raises(OptionError, match=r"--active-state-slots 300 is more than --max-num-seqs"):
+        _sized(1000, active_state_slots=300)
+    with pytest.raises(OptionError, match=r"^--active-state-slots 250: 503 state slots"):
+        _sized(500, active_state_slots=250)
+    with pytest.raises(OptionError, match=r"^the derived 1 active and 3 snapshot slots"):
+        _sized(4)

@@ -93,6 +93,17 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         choices=tuple(m.value for m in KVCacheManager),
     ),
     OptionSpec(
+        key="active_state_slots",
+        flag="--active-state-slots",
+        help=(
+            "Device state slots for running requests: at most this many requests run at once. "
+            "Default: min(--max-num-seqs, 5%% of the cache budget / one state), reported at "
+            "start-up; raise it for high concurrency, at the cost of KV and snapshot room. "
+            + _HYBRID_ONLY
+        ),
+        parse=_count(1),
+    ),
+    OptionSpec(
         key="device_snapshot_slots",
         flag="--device-snapshot-slots",
         help=(
@@ -161,6 +172,7 @@ class PluginOptions:
     """The resolved options of one engine (None: derive the default at start-up)."""
 
     kv_cache_manager: KVCacheManager = KVCacheManager.NATIVE
+    active_state_slots: int | None = None
     device_snapshot_slots: int | None = None
     cache_taps_per_request: int | None = None
     cache_tap_ladder: int | None = None

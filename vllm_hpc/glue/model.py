@@ -94,18 +94,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     options = PluginOptions.from_additional_config(vllm_config.additional_config)
     budget = _cache_budget(model, vllm_config)
     max_seqs = vllm_config.scheduler_config.max_num_seqs
-    active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
-    spare = 2 if options.host_tier_mib == 0 else 1
-    snapshot = options.device_snapshot_slots
-    if snapshot is None:
-        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
-    needed = (1 + active + snapshot) * image_bytes
-    if needed > budget:
-        raise OptionError(
-            f"--device-snapshot-slots {snapshot}: {1 + active + snapshot} state slots of "
-            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
-            f"{budget / 2**30:.2f} GiB of device memory left for caches"
-        )
+    active, snapshot = size_state_pool(options, budget, image_bytes, max_seqs)
     device = next(model.parameters()).device
     pool = StatePool(active, snapshot, device)
     for layer in layers:
@@ -123,6 +112,41 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         budget / 2**30,
     )
     return pool
+
+
+def size_state_pool(
+    options: PluginOptions, budget: int, image_bytes: int, max_seqs: int
+) -> tuple[int, int]:
+    """(active slots C, snapshot slots D): the options where given, else shares of ``budget``
+    (C capped by max_num_seqs; D at least C + 2 without a host tier, C + 1 with one)."""
+    active = options.active_state_slots
+    if active is None:
+        active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
+    elif active > max_seqs:
+        raise OptionError(
+            f"--active-state-slots {active} is more than --max-num-seqs {max_seqs}: no more "
+            "than that many requests ever run at once"
+        )
+    snapshot = options.device_snapshot_slots
+    if snapshot is None:
+        spare = 2 if options.host_tier_mib == 0 else 1
+        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
+    needed = (1 + active + snapshot) * image_bytes
+    if needed > budget:
+        flags = [
+            f"{flag} {value}"
+            for flag, value, given in (
+                ("--active-state-slots", active, options.active_state_slots is not None),
+                ("--device-snapshot-slots", snapshot, options.device_snapshot_slots is not None),
+            )
+            if given
+        ] or [f"the derived {active} active and {snapshot} snapshot slots"]
+        raise OptionError(
+            f"{', '.join(flags)}: {1 + active + snapshot} state slots of "
+            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
+            f"{budget / 2**30:.2f} GiB of device memory left for caches"
+        )
+    return active, snapshot
 
 
 def _state_bytes(shapes: Any, dtypes: Any) -> int:

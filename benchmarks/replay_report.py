@@ -119,6 +119,8 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
     configs = list(data["configs"])
     workloads = list(next(iter(data["configs"].values()))["workloads"])
     profile = data["profile"]
+    runs = len(data["runs"])
+    same = "same run" if runs == 1 else f"configurations from {runs} runs: the commands above"
     lines = [
         f"# Replay benchmark: {data['model']}",
         "",
@@ -141,7 +143,16 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         "device: nvidia-smi's memory in use, n/a on CPU); peak load = the highest 1-minute "
         "load average during the workload (other work on the machine slows it).",
         "",
-        "## Targets (hybrid-prefix / native, same run)",
+        *(
+            [
+                f"This report merges {runs} invocations (`--resume`): each configuration ran in "
+                "one of them, on the same profile and seeds, not in one process.",
+                "",
+            ]
+            if runs > 1
+            else []
+        ),
+        f"## Targets (hybrid-prefix / native, {same})",
         "",
         "| target | goal | measured | met |",
         "|---|---|---|---|",

@@ -29,6 +29,12 @@ def test_flag_reaches_additional_config() -> None:
     assert args.additional_config["kv_cache_manager"] == "hybrid-prefix"
 
 
+def test_slot_flags_reach_additional_config() -> None:
+    argv = ["--model", "m", "--kv-cache-manager", "hybrid-prefix", "--active-state-slots", "3"]
+    options = PluginOptions.from_additional_config(_parse(argv).additional_config)
+    assert (options.active_state_slots, options.device_snapshot_slots) == (3, None)
+
+
 def test_flag_absent_leaves_additional_config_alone() -> None:
     args = _parse(["--model", "m", "--additional-config", '{"gdn_prefill_backend": "triton"}'])
     assert args.additional_config == {"gdn_prefill_backend": "triton"}

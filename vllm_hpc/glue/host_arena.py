@@ -121,16 +121,16 @@ class TransferHandle:
     def __init__(self, nbytes: int, timing: CopyTiming, device: torch.device) -> None:
         self.nbytes = nbytes
         self.timing = timing
-        self._event = timing.end
         self._device = device
 
     def done(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        end = self.timing.end
+        return end is None or bool(end.query())
 
     def synchronize(self) -> None:
         """Block the CPU until the batch has landed (shutdown, tests)."""
-        if self._event is not None:
-            self._event.synchronize()
+        if self.timing.end is not None:
+            self.timing.end.synchronize()
 
 
 class RestoreHandle(TransferHandle):
@@ -164,8 +164,8 @@ class RestoreHandle(TransferHandle):
             torch.cuda.current_stream(self._device).wait_event(event)
 
     def wait_all(self) -> None:
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+        if self.timing.end is not None:
+            torch.cuda.current_stream(self._device).wait_event(self.timing.end)
 
 
 class HostArena:

@@ -133,16 +133,14 @@ def size_state_pool(
         snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
     needed = (1 + active + snapshot) * image_bytes
     if needed > budget:
-        flags = [
-            f"{flag} {value}"
-            for flag, value, given in (
-                ("--active-state-slots", active, options.active_state_slots is not None),
-                ("--device-snapshot-slots", snapshot, options.device_snapshot_slots is not None),
-            )
-            if given
-        ] or [f"the derived {active} active and {snapshot} snapshot slots"]
+        given = []
+        if options.active_state_slots is not None:
+            given.append(f"--active-state-slots {active}")
+        if options.device_snapshot_slots is not None:
+            given.append(f"--device-snapshot-slots {snapshot}")
+        what = ", ".join(given) or f"the derived {active} active and {snapshot} snapshot slots"
         raise OptionError(
-            f"{', '.join(flags)}: {1 + active + snapshot} state slots of "
+            f"{what}: {1 + active + snapshot} state slots of "
             f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
             f"{budget / 2**30:.2f} GiB of device memory left for caches"
         )

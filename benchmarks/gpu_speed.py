@@ -41,11 +41,12 @@ import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from hit_rate import revision, source_digest
 
 T0 = time.monotonic()
 NATIVE, HYBRID = "native", "hybrid-prefix"
@@ -381,7 +382,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- Command: `{meta['command']}`",
         f"- Device: {meta['device']}; vLLM {meta['vllm']}; torch {meta['torch']}; "
-        f"Python {meta['python']}; commit {meta['commit'] or 'unknown'}",
+        f"Python {meta['python']}; commit {meta['commit'] or 'unknown'}, vllm_hpc sources "
+        f"{meta.get('sources', 'unknown')}",
         f"- Started {meta['started']}, finished {meta.get('finished', '(running)')} "
         f"({meta.get('total_s', 0):.0f} s)",
         f"- Model: `{args['model']}` ({'tiny model, CPU' if args['cpu'] else 'dummy weights'}), "
@@ -476,29 +478,6 @@ def write(report: dict[str, Any], out: Path) -> None:
     (out / "gpu_speed.md").write_text(markdown(report))
 
 
-def git_commit() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + (" (modified)" if dirty.stdout.strip() else "")
-
-
 def device_name(cpu: bool) -> str:
     if cpu:
         return "cpu"
@@ -565,7 +544,8 @@ def main() -> None:
             "python": platform.python_version(),
             "device": device_name(args.cpu),
             "host": platform.node(),
-            "commit": git_commit(),
+            "commit": revision(),
+            "sources": source_digest(),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
             "started": now(),
         },

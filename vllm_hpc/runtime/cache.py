@@ -17,6 +17,9 @@ in order):
 
 - A tap at the end of a chunk copies the state after that chunk, so its copy goes into the
   *next* plan. A tap at the start of the prompt's final chunk copies it into the current one.
+- Where the workers can (`RuntimeConfig.in_pass_taps`), a tap at a 64-token offset inside a
+  chunk that starts on a block boundary is captured during the pass (`InPassCapture`): it
+  neither splits the chunk nor waits for its end.
 - A snapshot is published when the blocks below it are committed and its state copy is queued;
   a restore from it is queued later, so it reads the copied state. A snapshot whose tail page is
   copied too is published only once that copy's plan was handed out, since vLLM runs the page
@@ -59,7 +62,14 @@ from vllm_hpc.index import (
 )
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
-from vllm_hpc.runtime.plan import HostRestore, HostWrite, PageCopy, StateCopy, StepPlan
+from vllm_hpc.runtime.plan import (
+    HostRestore,
+    HostWrite,
+    InPassCapture,
+    PageCopy,
+    StateCopy,
+    StepPlan,
+)
 from vllm_hpc.runtime.sequence import Capture, Sequence
 from vllm_hpc.runtime.telemetry import (
     ADMISSION_COUNTERS,
@@ -84,6 +94,9 @@ class RuntimeConfig:
     """The scheduler's token budget per step: a new request's first chunk is at most this."""
     prefix_reuse: bool = True
     """False (--no-prefix-reuse): nothing is looked up, inserted or captured."""
+    in_pass_taps: bool = False
+    """The workers capture states inside a prefill pass, at 64-token offsets (CUDA's GDN kernel
+    computes them anyway): taps there need no chunk split."""
 
 
 @dataclass(frozen=True)
@@ -328,12 +341,24 @@ class HybridPrefixCache:
         self._waited.discard(request_id)
 
     def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
-        """Shorten a chunk starting at ``start`` so it ends at the next exact tap, if any."""
+        """Shorten a chunk starting at ``start`` so it ends at the next exact tap that cannot be
+        captured inside the pass, if any."""
         end = start + num_new_tokens
         for tap in taps:
-            if tap.exact and start < tap.position < end:
+            if tap.exact and start < tap.position < end and not self._in_pass(start, tap.position):
                 return tap.position - start
         return num_new_tokens
+
+    def _in_pass(self, start: int, position: int) -> bool:
+        """Whether a chunk from ``start`` can capture the state at ``position`` (inside it)
+        during its pass: the kernel's 64-token chunks then end there, on a block boundary, so
+        the snapshot needs no tail page (whose KV the pass is still writing)."""
+        return (
+            self.config.in_pass_taps
+            and start % BLOCK_TOKENS == 0
+            and position % BLOCK_TOKENS == 0
+            and position > start
+        )
 
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
@@ -454,11 +479,18 @@ class HybridPrefixCache:
         if not due or not seq.caching:
             return
         seq.taps = [t for t in seq.taps if t.position > end]
-        kind = (
-            SnapshotKind.BOUNDARY
-            if any(t.kind is SnapshotKind.BOUNDARY for t in due)
-            else (SnapshotKind.TAP)
-        )
+        in_pass: dict[int, list[PlannedTap]] = {}
+        for tap in due:
+            # A flexible tap may move back to its block boundary; an exact one stays put.
+            position = tap.position if tap.exact else tap.position - tap.position % BLOCK_TOKENS
+            if position < end and self._in_pass(start, position):
+                in_pass.setdefault(position, []).append(tap)
+        for position, taps in sorted(in_pass.items()):
+            self._capture(seq, token_ids, position, _kind(taps), in_pass_offset=position - start)
+        due = [t for t in due if all(t not in taps for taps in in_pass.values())]
+        if not due:
+            return
+        kind = _kind(due)
         if end < seq.num_prompt_tokens:
             self._capture(seq, token_ids, end, kind, after_step=True)
         elif start > seq.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)
@@ -470,10 +502,13 @@ class HybridPrefixCache:
         token_ids: Seq[int],
         frontier: int,
         kind: SnapshotKind,
-        after_step: bool,
+        after_step: bool = False,
+        in_pass_offset: int | None = None,
     ) -> None:
         """Take a slot (and a tail page) for a snapshot of ``seq`` at ``frontier``. Its copies go
-        into the next plan when they must see the state after the step being planned."""
+        into the next plan when they must see the state after the step being planned; an
+        in-pass capture, ``in_pass_offset`` tokens into this step's chunk (no tail: its frontier
+        is a block boundary), goes into this one."""
         assert seq.lease is not None
         slot = self.index.take_snapshot_slot(seq.lease, kind, frontier)
         if slot is None:
@@ -491,14 +526,14 @@ class HybridPrefixCache:
                     return
                 tail_page = tail[0]
                 page_copy = PageCopy(source, tail_page)
+        dst = self.snapshot_pool_slot(slot)
+        copy: StateCopy | InPassCapture = (
+            StateCopy(seq.slot, dst)
+            if in_pass_offset is None
+            else InPassCapture(seq.slot, in_pass_offset, dst)
+        )
         capture = Capture(
-            frontier,
-            kind,
-            slot,
-            _tail(token_ids, frontier),
-            tail_page,
-            StateCopy(seq.slot, self.snapshot_pool_slot(slot)),
-            page_copy,
+            frontier, kind, slot, _tail(token_ids, frontier), tail_page, copy, page_copy
         )
         seq.captures.append(capture)
         if after_step:
@@ -509,7 +544,11 @@ class HybridPrefixCache:
     def _queue(self, seq: Sequence, capture: Capture) -> None:
         """Put the capture's copies into the plan being built."""
         seq.newest_frontier = max(seq.newest_frontier, capture.frontier)
-        self._plan.state_copies.append(capture.state_copy)
+        copy = capture.state_copy
+        if isinstance(copy, InPassCapture):
+            self._plan.in_pass.append(copy)
+        else:
+            self._plan.state_copies.append(copy)
         if capture.page_copy is not None:
             self._plan.page_copies.append(capture.page_copy)
             capture.page_copy_step = self._plans_taken
@@ -701,6 +740,12 @@ def _aligned_tail(
             tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
         result.append(tap)
     return sorted(result, key=lambda t: t.position)
+
+
+def _kind(taps: Seq[PlannedTap]) -> SnapshotKind:
+    """One snapshot for several taps: Boundary if any of them is."""
+    boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)
+    return SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
 
 
 def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:

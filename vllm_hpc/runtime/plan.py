@@ -4,6 +4,7 @@ The scheduler side decides; the workers execute. Copies run in list order, befor
 forward pass: a capture (an active state saved into a snapshot slot) planned before a restore
 that reads the same slot is therefore seen by it. Host writes run after the state copies (they
 may read a slot just captured into); host restores overlap the forward pass, layer by layer.
+In-pass captures run during the forward pass: each GDN layer saves its part as it computes it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,21 @@ class StateCopy:
     """Copy one state slot (every GDN layer, conv and recurrent state) into another."""
 
     src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class InPassCapture:
+    """Save a running request's state ``offset`` tokens into this step's prefill chunk into
+    state slot ``dst``, during the forward pass.
+
+    The GDN prefill kernel computes the state at every 64-token chunk of each sequence anyway;
+    a tap there needs no pass of its own (no chunk split), only this copy. ``slot`` is the
+    request's active slot: it names the request's row in the batch.
+    """
+
+    slot: int
+    offset: int
     dst: int
 
 
@@ -55,6 +71,7 @@ class StepPlan:
     """The copies of one step, in execution order."""
 
     state_copies: list[StateCopy] = field(default_factory=list)
+    in_pass: list[InPassCapture] = field(default_factory=list)
     page_copies: list[PageCopy] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)
     host_restores: list[HostRestore] = field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_hpc.index import Lease, PageId, PlannedTap, PreparedPrompt, SlotId, SnapshotKind
-from vllm_hpc.runtime.plan import PageCopy, StateCopy
+from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
 
 
 @dataclass(slots=True, eq=False)
@@ -22,7 +22,8 @@ class Capture:
     tail_tokens: list[int]
     """Tokens after the last full block below the frontier."""
     tail_page: PageId | None
-    state_copy: StateCopy
+    state_copy: StateCopy | InPassCapture
+    """Saves the state: before or after a step's pass, or during it."""
     page_copy: PageCopy | None
     """The tail's KV, copied from the request's page (an endpoint takes the page itself)."""
     copies_queued: bool = False

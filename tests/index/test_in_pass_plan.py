@@ -1,0 +1,132 @@
+"""The runtime's plans for in-pass taps (`RuntimeConfig.in_pass_taps`), without vLLM.
+
+An engine whose workers save states inside a prefill pass must not split a chunk for a tap on a
+block boundary, must capture every such tap at its own position (not at the chunk's end), and
+must publish it after the step like any capture; elsewhere taps keep splitting the chunk.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.plan import InPassCapture
+
+CHUNK = 1024
+
+
+def make_cache(in_pass: bool, dense: bool = False) -> HybridPrefixCache:
+    policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
+    policy = TapPolicy(
+        max_new_taps=16,
+        ladder_tokens=policy.ladder_tokens,
+        min_gap_tokens=policy.min_gap_tokens,
+        chunk_tokens=policy.chunk_tokens,
+        dense_flexible=dense,
+    )
+    return HybridPrefixCache(
+        RuntimeConfig(
+            index=IndexConfig(
+                device_pages=400, geometry=HostGeometry(1024, 4096), snapshot_slots=24
+            ),
+            active_slots=4,
+            tap_policy=policy,
+            chunk_tokens=CHUNK,
+            in_pass_taps=in_pass,
+        )
+    )
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def prefill(cache: HybridPrefixCache, tokens: list[int], breakpoints: tuple[int, ...] = ()):
+    """Admit and prefill ``tokens`` in chunks as vLLM's scheduler would, committing after each
+    step; returns the chunks run and each step's plan."""
+    info = RequestInfo("r", tokens, len(tokens), breakpoints=breakpoints)
+    cache.new_step()
+    lookup = cache.lookup(info)
+    start = lookup.frontier
+    n = len(tokens)
+    chunks, plans = [], []
+    seq = None
+    while start < n:
+        size = min(CHUNK, n - start)
+        taps = seq.taps if seq is not None else lookup.taps
+        size = cache.chunk_limit(taps, start, size)
+        if seq is None:
+            seq = cache.admit(info, lookup, size)
+            assert seq is not None
+        else:
+            assert cache.grow(seq, start + size) is not None
+        cache.on_scheduled(seq, tokens, start, start + size)
+        plans.append(cache.take_plan())
+        chunks.append((start, start + size))
+        start += size
+        cache.commit(seq, tokens, start)
+        cache.new_step()
+    assert seq is not None
+    cache.finish(seq, tokens, n)
+    cache.new_step()
+    cache.take_plan()
+    cache.new_step()
+    cache.audit()
+    return chunks, plans
+
+
+def snapshot_frontiers(cache: HybridPrefixCache) -> list[int]:
+    return sorted(s.frontier for s in cache.index.store.snapshots)
+
+
+def test_a_block_aligned_exact_tap_does_not_split_the_chunk() -> None:
+    tokens = prompt(1000)
+    chunks, plans = prefill(make_cache(in_pass=True), tokens, breakpoints=(640,))
+    assert chunks == [(0, 1000)]
+    in_pass = [c for p in plans for c in p.in_pass]
+    assert InPassCapture(slot=1, offset=640, dst=in_pass[0].dst) in in_pass
+    # The prompt tail's tap, floor64(n - 1), is captured in the pass too.
+    assert {c.offset for c in in_pass} == {640, 960}
+
+
+def test_without_in_pass_taps_the_same_tap_splits_the_chunk() -> None:
+    tokens = prompt(1000)
+    chunks, plans = prefill(make_cache(in_pass=False), tokens, breakpoints=(640,))
+    assert chunks == [(0, 640), (640, 960), (960, 1000)]
+    assert not any(p.in_pass for p in plans)
+
+
+def test_a_tap_inside_a_block_still_splits() -> None:
+    tokens = prompt(1000)
+    cache = make_cache(in_pass=True)
+    chunks, _ = prefill(cache, tokens, breakpoints=(650,))
+    assert chunks[0] == (0, 650)
+    assert 650 in snapshot_frontiers(cache)
+
+
+def test_in_pass_taps_publish_at_their_positions() -> None:
+    tokens = prompt(2500)
+    cache = make_cache(in_pass=True, dense=True)
+    chunks, plans = prefill(cache, tokens)
+    assert chunks == [(0, 1024), (1024, 2048), (2048, 2500)]
+    frontiers = snapshot_frontiers(cache)
+    # Dense flexible taps every 256 tokens land at their own positions, inside the chunks.
+    assert {256, 512, 768, 1280} <= set(frontiers)
+    # Each in-pass capture is planned in the step whose pass computes it.
+    for (start, end), plan in zip(chunks, plans, strict=True):
+        assert all(0 < c.offset < end - start and c.offset % 64 == 0 for c in plan.in_pass)
+    assert frontiers[-1] == 2496  # the prompt tail, floor64(n - 1)
+
+
+@pytest.mark.parametrize("in_pass", [False, True])
+def test_a_retry_resumes_at_the_prompt_tail(in_pass: bool) -> None:
+    tokens = prompt(1000)
+    cache = make_cache(in_pass=in_pass)
+    prefill(cache, tokens)
+    cache.new_step()
+    lookup = cache.lookup(RequestInfo("retry", tokens, len(tokens)))
+    assert lookup.frontier == 960

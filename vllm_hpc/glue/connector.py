@@ -5,7 +5,8 @@ model runners (V1 on CPU, V2 on CUDA), in both directions. The hybrid prefix cac
 
 - the state-slot copies of a step (captures into snapshot slots, restores into active slots),
   which the workers run in order before the step's forward pass (`bind_connector_metadata` runs
-  before the forward on both runners, also on steps without tokens);
+  before the forward on both runners, also on steps without tokens), and the captures the GDN
+  layers save during it (`vllm_hpc.glue.in_pass`);
 - the host tier: write-through batches after them, and restores that overlap the forward pass
   (attention layers wait in `wait_for_layer_load`, GDN layers in the state pool);
 - back to the scheduler: the write batches that have landed (`build_connector_worker_meta`).
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.host_layout import DeviceLayout
+from vllm_hpc.glue.in_pass import StepCaptures
 from vllm_hpc.glue.metrics import (
     HybridPrefixPromMetrics,
     HybridPrefixStats,
@@ -37,7 +39,7 @@ from vllm_hpc.glue.metrics import (
     TransferMeter,
 )
 from vllm_hpc.options import PluginOptions
-from vllm_hpc.runtime.plan import HostRestore, HostWrite, StateCopy
+from vllm_hpc.runtime.plan import HostRestore, HostWrite, InPassCapture, StateCopy
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -47,6 +49,7 @@ class StepMetadata(KVConnectorMetadata):
     """What the workers copy for one step (`vllm_hpc.runtime.plan`, less vLLM's page copies)."""
 
     state_copies: list[StateCopy] = field(default_factory=list)
+    in_pass: list[InPassCapture] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)
     host_restores: list[HostRestore] = field(default_factory=list)
     prefetches: list[HostRestore] = field(default_factory=list)
@@ -120,7 +123,7 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         plan = self._manager.take_worker_plan()
         return StepMetadata(
-            plan.state_copies, plan.host_writes, plan.host_restores, plan.prefetches
+            plan.state_copies, plan.in_pass, plan.host_writes, plan.host_restores, plan.prefetches
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -179,8 +182,11 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             handle.wait_all()
         self._restores.clear()
         self._prefetches.clear()
+        pool = self._state_pool()
         if connector_metadata.state_copies:
-            self._state_pool().copy(connector_metadata.state_copies)
+            pool.copy(connector_metadata.state_copies)
+        captures = connector_metadata.in_pass
+        pool.in_pass = StepCaptures.build(captures, pool.device) if captures else None
         arena = self._arena
         if arena is None:
             return
@@ -193,6 +199,13 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefetches.append(arena.restore(prefetch.blocks))
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
+
+    def clear_connector_metadata(self) -> None:
+        """After the step's forward pass: its in-pass captures are saved, and a later pass
+        (a warm-up, a dummy run) must not save them again over the slots."""
+        super().clear_connector_metadata()
+        if self._pool is not None:
+            self._pool.in_pass = None
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""

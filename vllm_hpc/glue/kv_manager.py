@@ -69,7 +69,10 @@ class HybridPrefixKVCacheManager:
         page_bytes = attention[0].kv_cache_spec.page_size_bytes * len(attention[0].layer_names)
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
         chunk = vllm_config.scheduler_config.max_num_batched_tokens
-        policy = tap_policy(options, chunk, state_spec.active_slots, state_spec.snapshot_slots)
+        in_pass = state_spec.in_pass_taps
+        policy = tap_policy(
+            options, chunk, state_spec.active_slots, state_spec.snapshot_slots, in_pass
+        )
         geometry = HostGeometry(page_bytes, state_spec.image_bytes)
         host_mib = options.host_tier_mib
         check_host_budget(host_mib, geometry)  # the index's slab pool would refuse it unnamed
@@ -86,6 +89,7 @@ class HybridPrefixKVCacheManager:
                 tap_policy=policy,
                 chunk_tokens=chunk,
                 prefix_reuse=not options.no_prefix_reuse,
+                in_pass_taps=in_pass,
             )
         )
         self.active_slots = state_spec.active_slots
@@ -106,7 +110,7 @@ class HybridPrefixKVCacheManager:
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
             "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
-            "taps at every chunk boundary: %s, host tier: %s%s",
+            "flexible taps every %d tokens: %s, taps inside a pass: %s, host tier: %s%s",
             kv_cache_config.num_blocks - 1,
             page_bytes / 1024,
             state_spec.active_slots,
@@ -115,7 +119,9 @@ class HybridPrefixKVCacheManager:
             policy.max_new_taps,
             policy.ladder_tokens,
             policy.min_gap_tokens,
+            policy.chunk_tokens,
             "yes" if policy.dense_flexible else "no",
+            "yes" if in_pass else "no (taps split the prefill chunk)",
             f"{host_mib} MiB" if host_mib else "off",
             ", prefix reuse off" if options.no_prefix_reuse else "",
         )
@@ -322,7 +328,15 @@ DENSE_SLOTS_PER_ACTIVE = 2
 """Snapshot slots per active slot from which taps get denser (beyond the spec)."""
 
 
-def tap_policy(options: PluginOptions, chunk: int, active: int, snapshot_slots: int) -> TapPolicy:
+IN_PASS_TAP_GRAIN = 2048
+"""Tokens between dense flexible taps when taps are captured inside a pass (the spec's chunk)."""
+IN_PASS_DENSE_TAPS = 16
+"""Taps a prompt may leave when they are dense and captured inside a pass."""
+
+
+def tap_policy(
+    options: PluginOptions, chunk: int, active: int, snapshot_slots: int, in_pass: bool = False
+) -> TapPolicy:
     """The §14.2 defaults, denser when memory allows, with the user's tap options on top.
 
     Beyond the spec: with a host tier, or with at least two snapshot slots per running request,
@@ -331,11 +345,17 @@ def tap_policy(options: PluginOptions, chunk: int, active: int, snapshot_slots: 
     prune what no request comes back to. (Without them, a 24,000-token prompt on an engine with
     8192-token chunks keeps no state below its last block: the ladder's first rung, n - 16384,
     lies within the minimum gap of the prompt's start.)
+
+    Where the workers capture taps inside a pass (``in_pass``), a flexible tap costs the same
+    anywhere on a block boundary, not only at a chunk's end: the ladder and the dense taps then
+    follow the spec's 2048-token chunk whatever the engine's chunk, and a prompt may leave 16.
     """
     host_tier = options.host_tier_mib > 0
-    policy = TapPolicy.for_engine(chunk_tokens=chunk, host_tier=host_tier)
+    grain = min(chunk, IN_PASS_TAP_GRAIN) if in_pass else chunk
+    policy = TapPolicy.for_engine(chunk_tokens=grain, host_tier=host_tier)
     if host_tier or snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
-        policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, 8))
+        most = IN_PASS_DENSE_TAPS if in_pass else 8
+        policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, most))
     taps, ladder, gap = (
         options.cache_taps_per_request,
         options.cache_tap_ladder,

@@ -9,6 +9,8 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
   `StatePool` instead of vLLM's KV block pool. Its KV-cache spec is a one-byte `StateSlotSpec`:
   vLLM still builds GDN metadata for it, the "block id" it hands the layer for a request is the
   request's state slot, and the spec carries the pool's slot counts to the scheduler.
+- On CUDA with vLLM's FLA (Triton) prefill kernel, a GDN layer also saves the step's in-pass
+  captures (`vllm_hpc.glue.in_pass`), and the spec tells the scheduler it can.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
+from vllm_hpc.glue.in_pass import capture_layer, install_fla_hook
 from vllm_hpc.glue.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OptionError, PluginOptions
@@ -41,6 +46,8 @@ class StateSlotSpec(MambaSpec):
     active_slots: int
     snapshot_slots: int
     image_bytes: int
+    in_pass_taps: bool
+    """The layers save states inside a prefill pass (`vllm_hpc.glue.in_pass`)."""
 
     @property
     def uses_slot_mapping(self) -> bool:
@@ -65,6 +72,7 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
             active_slots=pool.active_slots,
             snapshot_slots=pool.snapshot_slots,
             image_bytes=pool.slot_bytes,
+            in_pass_taps=pool.in_pass_taps,
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -72,9 +80,27 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     # vLLM's GDN custom ops (CUDA) call one of these to read and write the states: the first
     # pass after a host restore waits here for this layer's part of it (§6.5).
-    def _forward_core(self, *args: Any, **kwargs: Any) -> Any:
-        self.state_pool.wait_restored(self.prefix)
-        return super()._forward_core(*args, **kwargs)
+    def _forward_core(
+        self,
+        mixed_qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        core_attn_out: torch.Tensor,
+    ) -> Any:
+        pool = self.state_pool
+        pool.wait_restored(self.prefix)
+
+        def run() -> Any:
+            return super(HybridPrefixGDN, self)._forward_core(mixed_qkv, b, a, core_attn_out)
+
+        captures = pool.in_pass
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if captures is None or metadata is None or not metadata.num_prefills:
+            return run()
+        conv = self.kv_cache[0]
+        conv = conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
+        return capture_layer(captures, metadata, mixed_qkv, conv, self.kv_cache[1], run)
 
     def _forward_core_fused_norm_packed(self, *args: Any, **kwargs: Any) -> Any:
         self.state_pool.wait_restored(self.prefix)
@@ -97,21 +123,40 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     active, snapshot = size_state_pool(options, budget, image_bytes, max_seqs)
     device = next(model.parameters()).device
     pool = StatePool(active, snapshot, device)
+    pool.in_pass_taps = _in_pass_capable(layers, device, vllm_config)
     for layer in layers:
         layer.__class__ = HybridPrefixGDN
         layer.state_pool = pool
         pool.add_layer(layer.prefix, layer.get_state_shape(), layer.get_state_dtype())
     logger.info(
         "hybrid-prefix state pool: %d active slots (max_num_seqs %d), %d snapshot slots, "
-        "%.2f MiB per state, %.2f GiB in all of a %.2f GiB cache budget",
+        "%.2f MiB per state, %.2f GiB in all of a %.2f GiB cache budget, taps inside a "
+        "pass: %s",
         active,
         max_seqs,
         snapshot,
         image_bytes / 2**20,
         pool.total_bytes / 2**30,
         budget / 2**30,
+        "yes" if pool.in_pass_taps else "no",
     )
     return pool
+
+
+def _in_pass_capable(
+    layers: list[QwenGatedDeltaNetAttention], device: torch.device, vllm_config: Any
+) -> bool:
+    """In-pass taps need CUDA, vLLM's FLA prefill kernel (the "triton" GDN backend), whose
+    per-chunk states are in the activation dtype, a recurrent state cached in that dtype too
+    (else a captured state would be coarser than a final one), and the kernel hook."""
+    dtype = vllm_config.model_config.dtype
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and all(layer.gdn_prefill_backend == "triton" for layer in layers)
+        and all(layer.get_state_dtype()[1] == dtype for layer in layers)
+        and install_fla_hook()
+    )
 
 
 def size_state_pool(

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_hpc.glue.in_pass import StepCaptures
 from vllm_hpc.runtime.plan import StateCopy
 
 
@@ -39,6 +40,10 @@ class StatePool:
         self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
         self.restores: Sequence[LayerRestore] = ()
         """This step's host restores (set by the connector): a layer waits for its part."""
+        self.in_pass_taps = False
+        """The GDN layers can save states inside a prefill pass (set when the model is built)."""
+        self.in_pass: StepCaptures | None = None
+        """This step's in-pass captures (set by the connector), or None."""
 
     def wait_restored(self, name: str) -> None:
         """Layer ``name`` is about to read its states: wait for this step's restores of them."""

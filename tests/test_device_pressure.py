@@ -51,12 +51,10 @@ def test_snapshot_slots_go_to_newer_snapshots(small: Any, cold: Any) -> None:
     prompts = [random_prompt(seed=300 + i, length=600) for i in range(6)]
     for prompt in prompts:
         out = greedy(small, [prompt], 96)[0]
-        assert tokens(out) == tokens(greedy(cold, [prompt], 96)[0])
+        assert_same_up_to_near_tie(out, cold, prompt, 96)
     assert cache.index.stats.slot_evictions > before
     follow_up = prompts[-1] + tokens(out) + random_prompt(seed=399, length=100)
-    assert tokens(greedy(small, [follow_up], ANSWER)[0]) == tokens(
-        greedy(cold, [follow_up], ANSWER)[0]
-    )
+    assert_same_up_to_near_tie(greedy(small, [follow_up], ANSWER)[0], cold, follow_up, ANSWER)
     cache.audit()
 
 
@@ -70,8 +68,8 @@ def no_reuse(tiny_model_dir: Any) -> Iterator[Any]:
 def test_no_prefix_reuse_caches_nothing(no_reuse: Any, cold: Any) -> None:
     prompt = random_prompt(seed=5, length=1500)
     outs = [greedy(no_reuse, [prompt], ANSWER)[0] for _ in range(2)]
-    expected = tokens(greedy(cold, [prompt], ANSWER)[0])
-    assert [tokens(o) for o in outs] == [expected, expected]
+    assert tokens(outs[0]) == tokens(outs[1])  # the same computation, nothing reused
+    assert_same_up_to_near_tie(outs[0], cold, prompt, ANSWER)
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     index = cache_of(no_reuse).index
     assert not index.store.snapshots

@@ -162,8 +162,10 @@ def test_identical_prompts_arriving_together(hybrid: Any, cold: Any) -> None:
 def test_sessions_sharing_a_new_preamble_arriving_together(hybrid: Any, cold: Any) -> None:
     """Four sessions share a 1000-token preamble nobody has sent before. The first takes the
     whole 512-token step budget until it is past the preamble, so the second starts from the
-    first's chunk tap at 512 and taps the junction (960) exactly; the other two wait for that
-    snapshot instead of prefilling the preamble's end again."""
+    first's chunk tap at 512 (its ladder tap at 640 where taps are captured inside a pass) and
+    taps the junction (960) exactly; the other two wait for that snapshot instead of
+    prefilling the preamble's end again (on CUDA's asynchronous scheduling they may find a
+    capture just past it)."""
     preamble = random_prompt(seed=75, length=1000)
     sessions = [preamble + random_prompt(seed=76 + i, length=200) for i in range(4)]
     cache = cache_of(hybrid)
@@ -171,7 +173,9 @@ def test_sessions_sharing_a_new_preamble_arriving_together(hybrid: Any, cold: An
     outs = greedy(hybrid, sessions, ANSWER)
     for session, out in zip(sessions, outs, strict=True):
         assert_same_up_to_near_tie(out, cold, session, ANSWER)
-    assert [out.num_cached_tokens for out in outs] == [0, 512, 960, 960]
+    cached = [out.num_cached_tokens for out in outs]
+    assert cached[:2] == [0, 640 if cache.config.in_pass_taps else 512]
+    assert all(960 <= c < 1000 for c in cached[2:]), cached
     assert cache.admissions.coalesced_requests - coalesced == 1
 
 

@@ -45,9 +45,14 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(1000) for _ in range(n)]
 
 
-def prefill(cache: HybridPrefixCache, tokens: list[int], breakpoints: tuple[int, ...] = ()):
-    """Admit and prefill ``tokens`` in chunks as vLLM's scheduler would, committing after each
-    step; returns the chunks run and each step's plan."""
+def prefill(
+    cache: HybridPrefixCache,
+    tokens: list[int],
+    breakpoints: tuple[int, ...] = (),
+    budget: int = CHUNK,
+):
+    """Admit and prefill ``tokens`` in chunks of at most ``budget`` tokens as vLLM's scheduler
+    would, committing after each step; returns the chunks run and each step's plan."""
     info = RequestInfo("r", tokens, len(tokens), breakpoints=breakpoints)
     cache.new_step()
     lookup = cache.lookup(info)
@@ -56,9 +61,9 @@ def prefill(cache: HybridPrefixCache, tokens: list[int], breakpoints: tuple[int,
     chunks, plans = [], []
     seq = None
     while start < n:
-        size = min(CHUNK, n - start)
+        size = min(budget, n - start)
         taps = seq.taps if seq is not None else lookup.taps
-        size = cache.chunk_limit(taps, start, size)
+        size = cache.chunk_limit(taps, start, size, n)
         if seq is None:
             seq = cache.admit(info, lookup, size)
             assert seq is not None
@@ -130,3 +135,19 @@ def test_a_retry_resumes_at_the_prompt_tail(in_pass: bool) -> None:
     cache.new_step()
     lookup = cache.lookup(RequestInfo("retry", tokens, len(tokens)))
     assert lookup.frontier == 960
+
+
+def test_chunks_end_on_block_boundaries_so_later_chunks_tap_in_the_pass() -> None:
+    """A step budget that is not a multiple of 64 (shared with other requests) would leave every
+    chunk after the first starting inside a block, where no tap can be saved in the pass."""
+    tokens = prompt(2500)
+    cache = make_cache(in_pass=True, dense=True)
+    chunks, plans = prefill(cache, tokens, budget=1000)
+    assert chunks == [(0, 960), (960, 1920), (1920, 2500)]
+    assert all(plan.in_pass for plan in plans)
+    assert {1024, 1280, 1536, 2048} <= set(snapshot_frontiers(cache))
+
+
+def test_without_in_pass_taps_chunks_keep_the_whole_budget() -> None:
+    chunks, _ = prefill(make_cache(in_pass=False), prompt(2500), budget=1000)
+    assert chunks[0] == (0, 1000)

@@ -173,11 +173,12 @@ class HybridPrefixKVCacheManager:
         return hints
 
     def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
-        """The chunk [start, start + n) shortened to end at the request's next exact tap."""
+        """The chunk [start, start + n) shortened to end at the request's next exact tap (or
+        on a block boundary: `HybridPrefixCache.chunk_limit`)."""
         seq = self.sequences.get(request.request_id)
         lookup = self._lookups.get(request.request_id)
         taps = seq.taps if seq is not None else lookup.taps if lookup is not None else []
-        return self.cache.chunk_limit(taps, start, num_new_tokens)
+        return self.cache.chunk_limit(taps, start, num_new_tokens, request.num_prompt_tokens)
 
     def allocate_slots(
         self,

@@ -61,7 +61,7 @@ class _HybridPrefixMixin:
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        """End the chunk at the request's next exact tap (§7.1)."""
+        """End the chunk at the request's next exact tap (§7.1), or on a block boundary."""
         start = request.num_computed_tokens or (
             num_new_local_computed_tokens + num_external_computed_tokens
         )

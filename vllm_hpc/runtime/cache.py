@@ -340,13 +340,26 @@ class HybridPrefixCache:
         self._prepared.pop(request_id, None)
         self._waited.discard(request_id)
 
-    def chunk_limit(self, taps: Seq[PlannedTap], start: int, num_new_tokens: int) -> int:
+    def chunk_limit(
+        self, taps: Seq[PlannedTap], start: int, num_new_tokens: int, num_prompt_tokens: int
+    ) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap that cannot be
-        captured inside the pass, if any."""
+        captured inside the pass, if any.
+
+        Where taps are captured inside a pass, a chunk that ends inside the prompt also ends on
+        a block boundary (giving up fewer than 64 tokens of the step): the next chunk then
+        starts on one, where its taps can be captured in the pass. Without this, one chunk
+        ending elsewhere (the step's budget shared with other requests) would leave every
+        later chunk of the prompt without in-pass taps.
+        """
         end = start + num_new_tokens
         for tap in taps:
             if tap.exact and start < tap.position < end and not self._in_pass(start, tap.position):
                 return tap.position - start
+        if self.config.in_pass_taps and end < num_prompt_tokens:
+            aligned = end - end % BLOCK_TOKENS
+            if aligned > start:
+                return aligned - start
         return num_new_tokens
 
     def _in_pass(self, start: int, position: int) -> bool:

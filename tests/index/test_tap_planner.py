@@ -17,7 +17,6 @@ from vllm_hpc.index import (
     TapPolicy,
     TapRequest,
     TapSource,
-    chunk_ends,
 )
 
 DEFAULT = TapPolicy()  # G = 4096, min gap 1024, budget 8
@@ -133,23 +132,6 @@ def test_dense_flexible_mode_adds_chunk_boundaries_last() -> None:
     assert TapPlanner(TapPolicy(chunk_tokens=512)).plan(request) == [taps[1], taps[4]]
 
 
-def test_realize_takes_flexible_taps_at_chunk_boundaries() -> None:
-    request = TapRequest(num_tokens=5000, base=0, hints=[TapHint(1200, TapSource.OPENER)])
-    planner = TapPlanner(TapPolicy(ladder_tokens=3000, min_gap_tokens=512))
-    taps = planner.plan(request)
-    assert [t.position for t in taps] == [1200, 2000, 4999]
-    ends = chunk_ends(0, 5000, 1024, [t.position for t in taps if t.exact])
-    # The exact tap splits the second chunk: [0,1024) [1024,1200) [1200,2224) ...
-    assert ends == [1024, 1200, 2224, 3248, 4272, 5000]
-    realized = planner.realize(taps, ends, request)
-    # Ladder 2000 -> end of its chunk 2224; the tail lies in the final chunk -> its start 4272.
-    assert [(t.position, t.source) for t in realized] == [
-        (1200, TapSource.OPENER),
-        (2224, TapSource.LADDER),
-        (4272, TapSource.TAIL),
-    ]
-
-
 def test_hints_must_be_semantic_positions() -> None:
     request = TapRequest(num_tokens=100, base=0, hints=[TapHint(50, TapSource.LADDER)])
     with pytest.raises(ValueError, match="semantic"):
@@ -236,30 +218,6 @@ def test_plan_properties(case: tuple[TapPolicy, TapRequest]) -> None:
     dropped = set(unlimited) - set(taps)
     if taps and dropped:
         assert max(t.source.priority for t in taps) <= min(t.source.priority for t in dropped)
-
-
-@settings(max_examples=100, deadline=None)
-@given(requests(), st.integers(1, 64))
-def test_realized_flexible_taps_sit_on_chunk_boundaries(
-    case: tuple[TapPolicy, TapRequest], blocks_per_chunk: int
-) -> None:
-    policy, request = case
-    # Page-aligned base and chunks, as with vLLM's aligned hybrid chunking.
-    base = request.base - request.base % 64
-    request = TapRequest(**{**_as_dict(request), "base": base})
-    planner = TapPlanner(policy)
-    taps = planner.plan(request)
-    exact = [t.position for t in taps if t.exact]
-    ends = chunk_ends(base, request.num_tokens, 64 * blocks_per_chunk, exact)
-    realized = planner.realize(taps, ends, request)
-    for tap in realized:
-        assert base < tap.position < request.num_tokens
-        if tap.exact:
-            assert tap.position in exact
-        else:
-            assert tap.position in ends
-            if not exact:
-                assert tap.position % 64 == 0  # unsplit aligned chunks: taps have no tail
 
 
 def _kind_is_consistent(tap: PlannedTap, request: TapRequest) -> bool:

@@ -29,7 +29,6 @@ from vllm_hpc.index.tap_planner import (
     TapPolicy,
     TapRequest,
     TapSource,
-    chunk_ends,
 )
 from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Prefetch, Restore, SnapshotWrite
 from vllm_hpc.index.types import (
@@ -88,7 +87,6 @@ __all__ = [
     "TapPolicy",
     "TapRequest",
     "TapSource",
-    "chunk_ends",
     "prepare_prompt",
     "xxh3_block_hash",
 ]

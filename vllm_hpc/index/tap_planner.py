@@ -10,16 +10,17 @@ Candidates in priority order::
     5 ladder n - G·2^k          flexible  Tap        edits deep in the history
     6 every chunk boundary      flexible  Tap        only with ``dense_flexible``
 
-Exact taps split a prefill chunk at their position; flexible ones are realized at a chunk
-boundary at no extra forward pass (``realize``). A position need not be a multiple of 64: a tap
-inside a block publishes with a tail. The plan is a pure function of its inputs.
+An exact tap is captured at its position, a flexible one where it costs no extra forward pass:
+the runtime realizes them (`vllm_hpc.runtime.cache`: at a chunk's end, or inside the pass where
+the workers can). A position need not be a multiple of 64: a tap inside a block publishes with
+a tail. The plan is a pure function of its inputs.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from vllm_hpc.index.prompt import MediaItem
@@ -95,8 +96,10 @@ class TapPolicy:
     proximity_tokens: int = 64
     """A non-explicit candidate this close after another tap is redundant."""
     chunk_tokens: int = 2048
+    """The grain of flexible taps: the prefill chunk, or less where taps cost no pass split."""
     dense_flexible: bool = False
-    """Also tap every chunk boundary (lowest priority): denser reuse when memory allows."""
+    """Also tap every ``chunk_tokens`` from the base (lowest priority): denser reuse when memory
+    allows."""
 
     @classmethod
     def for_engine(
@@ -226,51 +229,3 @@ class TapPlanner:
             if boundary > base and rung - boundary <= self.policy.min_gap_tokens:
                 return boundary
         return rung
-
-    def realize(
-        self, taps: Sequence[PlannedTap], chunk_ends: Sequence[int], request: TapRequest
-    ) -> list[PlannedTap]:
-        """Positions the taps are captured at, given the prefill's chunk end positions.
-
-        A flexible tap is taken at the end of the chunk that reaches it, or at the start of the
-        final chunk when it lies there (the prompt tail always does); exact taps stay put.
-        Realized positions that collide, fall at or below the base, inside media, or on an
-        existing snapshot are dropped (the earlier-listed, higher-priority tap wins).
-        """
-        n = request.num_tokens
-        ends = sorted(chunk_ends)
-        if not ends or ends[-1] != n:
-            raise ValueError(f"chunk ends must finish at the prompt end {n}: {list(ends)}")
-        seen = set(request.existing)
-        realized: list[PlannedTap] = []
-        for tap in sorted(taps, key=lambda t: (t.source.priority, t.position)):
-            position = tap.position
-            if not tap.exact:
-                index = bisect.bisect_left(ends, position)
-                position = ends[index]
-                if position == n:
-                    position = ends[index - 1] if index > 0 else request.base
-            splits = any(item.splits(position) for item in request.media)
-            if position <= request.base or position in seen or splits:
-                continue
-            seen.add(position)
-            realized.append(replace(tap, position=position))
-        return sorted(realized, key=lambda t: t.position)
-
-
-def chunk_ends(base: int, num_tokens: int, chunk_tokens: int, exact: Sequence[int]) -> list[int]:
-    """End positions of a prefill from ``base`` in chunks of ``chunk_tokens``, split at every
-    exact tap (each split is one more forward pass)."""
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    splits = sorted({p for p in exact if base < p < num_tokens})
-    ends = []
-    start = base
-    while start < num_tokens:
-        end = min(start + chunk_tokens, num_tokens)
-        index = bisect.bisect_right(splits, start)
-        if index < len(splits) and splits[index] < end:
-            end = splits[index]
-        ends.append(end)
-        start = end
-    return ends

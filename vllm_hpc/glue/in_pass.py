@@ -2,9 +2,9 @@
 
 vLLM's chunked delta-rule prefill kernel (FLA, the "triton" GDN prefill backend) computes the
 recurrent state at the start of every 64-token chunk of every sequence (its ``h`` tensor, in
-the cache's dtype), uses it for the output and drops it. A tap at a 64-token offset of a
+the activations' dtype), uses it for the output and drops it. A tap at a 64-token offset of a
 prefill chunk therefore needs no pass of its own: each GDN layer copies that entry of ``h`` into
-the snapshot slot, and the conv state there is the three conv inputs before the offset. The
+the snapshot slot, and the conv state there is the conv inputs just before the offset. The
 scheduler plans such taps only where the workers said they can (`StateSlotSpec.in_pass_taps`);
 elsewhere (CPU, FlashInfer's kernel) a tap splits the chunk as before.
 

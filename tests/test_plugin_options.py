@@ -185,3 +185,26 @@ def test_state_pool_options_override_and_are_checked_against_the_budget() -> Non
         _sized(500, active_state_slots=250)
     with pytest.raises(OptionError, match=r"^the derived 1 active and 3 snapshot slots"):
         _sized(4)
+
+
+def _policy(chunk: int, in_pass: bool, **options: Any) -> Any:
+    from vllm_hpc.glue.kv_manager import tap_policy
+
+    config = {"kv_cache_manager": "hybrid-prefix", **options}
+    return tap_policy(PluginOptions.from_additional_config(config), chunk, 4, 8, in_pass)
+
+
+def test_taps_saved_in_the_pass_follow_the_spec_grain_whatever_the_chunk() -> None:
+    split = _policy(8192, in_pass=False)
+    assert (split.chunk_tokens, split.ladder_tokens, split.min_gap_tokens) == (8192, 16384, 8192)
+    assert split.max_new_taps == 8
+    in_pass = _policy(8192, in_pass=True)
+    assert (in_pass.chunk_tokens, in_pass.ladder_tokens, in_pass.min_gap_tokens) == (
+        2048,
+        4096,
+        2048,
+    )
+    assert in_pass.dense_flexible and in_pass.max_new_taps == 16
+    assert _policy(512, in_pass=True).chunk_tokens == 512  # never coarser than the chunk
+    user = _policy(8192, in_pass=True, cache_taps_per_request=3, cache_tap_ladder=1024)
+    assert (user.max_new_taps, user.ladder_tokens) == (3, 1024)

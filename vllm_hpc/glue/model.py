@@ -123,7 +123,8 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     active, snapshot = size_state_pool(options, budget, image_bytes, max_seqs)
     device = next(model.parameters()).device
     pool = StatePool(active, snapshot, device)
-    pool.in_pass_taps = _in_pass_capable(layers, device, vllm_config)
+    why_not = _in_pass_unavailable(layers, device, vllm_config)
+    pool.in_pass_taps = why_not is None
     for layer in layers:
         layer.__class__ = HybridPrefixGDN
         layer.state_pool = pool
@@ -138,25 +139,33 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         image_bytes / 2**20,
         pool.total_bytes / 2**30,
         budget / 2**30,
-        "yes" if pool.in_pass_taps else "no",
+        "yes" if why_not is None else f"no ({why_not}; taps split the prefill chunk)",
     )
     return pool
 
 
-def _in_pass_capable(
+def _in_pass_unavailable(
     layers: list[QwenGatedDeltaNetAttention], device: torch.device, vllm_config: Any
-) -> bool:
-    """In-pass taps need CUDA, vLLM's FLA prefill kernel (the "triton" GDN backend), whose
-    per-chunk states are in the activation dtype, a recurrent state cached in that dtype too
-    (else a captured state would be coarser than a final one), and the kernel hook."""
+) -> str | None:
+    """Why taps cannot be saved inside a prefill pass here, or None when they can. They need
+    CUDA, vLLM's FLA prefill kernel (the "triton" GDN backend), whose per-chunk states are in
+    the activations' dtype, a recurrent state cached in that dtype too (else a saved state would
+    be coarser than a final one), and the kernel hook."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"{device.type} device: only CUDA's FLA kernel exposes its chunk states"
+    backends = {layer.gdn_prefill_backend for layer in layers}
+    if backends != {"triton"}:
+        return (
+            f"GDN prefill backend {'/'.join(sorted(backends))}; additional_config "
+            "gdn_prefill_backend=triton selects the kernel that allows them"
+        )
     dtype = vllm_config.model_config.dtype
-    return (
-        device.type == "cuda"
-        and torch.version.hip is None
-        and all(layer.gdn_prefill_backend == "triton" for layer in layers)
-        and all(layer.get_state_dtype()[1] == dtype for layer in layers)
-        and install_fla_hook()
-    )
+    cached = {layer.get_state_dtype()[1] for layer in layers}
+    if cached != {dtype}:
+        return f"recurrent state cached as {cached.pop()}, the kernel's chunk states are {dtype}"
+    if not install_fla_hook():
+        return "this vLLM's FLA kernel has no per-chunk states to take"
+    return None
 
 
 def size_state_pool(

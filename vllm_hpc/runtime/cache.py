@@ -493,17 +493,19 @@ class HybridPrefixCache:
             return
         seq.taps = [t for t in seq.taps if t.position > end]
         in_pass: dict[int, list[PlannedTap]] = {}
+        rest = []
         for tap in due:
             # A flexible tap may move back to its block boundary; an exact one stays put.
             position = tap.position if tap.exact else tap.position - tap.position % BLOCK_TOKENS
             if position < end and self._in_pass(start, position):
                 in_pass.setdefault(position, []).append(tap)
+            else:
+                rest.append(tap)
         for position, taps in sorted(in_pass.items()):
             self._capture(seq, token_ids, position, _kind(taps), in_pass_offset=position - start)
-        due = [t for t in due if all(t not in taps for taps in in_pass.values())]
-        if not due:
+        if not rest:
             return
-        kind = _kind(due)
+        kind = _kind(rest)
         if end < seq.num_prompt_tokens:
             self._capture(seq, token_ids, end, kind, after_step=True)
         elif start > seq.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)

@@ -94,9 +94,11 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
             return super(HybridPrefixGDN, self)._forward_core(mixed_qkv, b, a, core_attn_out)
 
         captures = pool.in_pass
+        if captures is None:  # most passes: nothing to save
+            return run()
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        if captures is None or metadata is None or not metadata.num_prefills:
+        if metadata is None or not metadata.num_prefills:
             return run()
         conv = self.kv_cache[0]
         conv = conv if is_conv_state_dim_first() else conv.transpose(-1, -2)

@@ -54,8 +54,18 @@ class ArchitectureOverride:
 
 
 def register_models() -> None:
-    """Register vllm_hpc's classes under their own names (imported lazily by vLLM)."""
-    from vllm import ModelRegistry
+    """Register vllm_hpc's classes under their own names (imported lazily by vLLM), with the
+    configuration updates vLLM makes for the classes they stand in for.
 
-    for ours in ARCHITECTURES.values():
+    vLLM looks those updates up by architecture name (`MODELS_CONFIG_MAP`). For Qwen3.5 they
+    keep the recurrent state in the checkpoint's `mamba_ssm_dtype` (float32 in the released
+    checkpoints) and give text-only models one-dimensional positions. Without them our classes
+    kept the state in the activations' dtype: a coarser state than vLLM's own engine keeps,
+    which parted answers from it (seen on the tiny MoE model on AVX2 machines).
+    """
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    for theirs, ours in ARCHITECTURES.items():
         ModelRegistry.register_model(ours, f"vllm_hpc.glue.model:{ours}")
+        MODELS_CONFIG_MAP.setdefault(ours, MODELS_CONFIG_MAP[theirs])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_device_tier import NEAR_TIE
+from vllm_hpc.exactness import NEAR_TIE
 
 BASELINE = "native"
 OURS = ("hybrid-prefix", "hybrid-prefix-host")

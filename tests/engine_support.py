@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.runtime.cache import HybridPrefixCache
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
@@ -16,9 +17,6 @@ HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
 """Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
 ``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
-NEAR_TIE = 0.5
-"""Nats: below this top-1 margin, two logits are a few bf16 ulps apart (the model's logits are
-~16-32, where one ulp is 0.125-0.25), and batching alone can flip the greedy choice."""
 
 
 @contextmanager
@@ -131,17 +129,11 @@ def counter(llm: Any, name: str) -> float:
 
 def assert_same_up_to_near_tie(out: Any, cold: Any, prompt: Sequence[int], answer: int) -> None:
     """The greedy tokens equal a cold run's (alone, no cache), except that they may part at a
-    position where the cold run's top-1 margin is a near-tie: there a different computation of
-    the same prefix (a batch of other shapes, a state computed while decoding rather than by a
-    prefill) can round the other way. vLLM's own batched runs part at such positions too."""
+    position where the cold run's top-1 margin is a near-tie (`vllm_hpc.exactness`)."""
     ref = cold.generate(
         [{"prompt_token_ids": list(prompt)}],
         greedy_params(answer, logprobs=2),
         use_tqdm=False,
     )[0].outputs[0]
-    got = tokens(out)
-    for i, (a, b) in enumerate(zip(got, ref.token_ids, strict=True)):
-        if a != b:
-            best = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)
-            assert best[0] - best[1] < NEAR_TIE, f"token {i} differs at margin {best[0] - best[1]}"
-            return
+    parting = first_parting(tokens(out), ref.token_ids, top1_margins(ref.logprobs))
+    assert parting is None or parting.near_tie, parting.describe()

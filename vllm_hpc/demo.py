@@ -6,7 +6,10 @@ It replays one conversation as token ids (no tokenizer): a shared system preambl
 turns, each answer appended to the history, then a retry of the last turn and an edit inside an
 earlier turn, once with vLLM's built-in caching and once with vllm_hpc's hybrid prefix cache.
 For each request it prints the prompt length, the tokens each engine reports as served from its
-prefix cache, the time, and whether both engines generated the same greedy tokens.
+prefix cache and the time, and checks each engine's greedy tokens against a cold run of the same
+prompt (vLLM with no prefix caching): the same, or where they first differ, with the cold run's
+top-1 margin there and whether that is a near-tie under the README's rule
+(`vllm_hpc.exactness`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.options import KVCacheManager
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
@@ -49,22 +53,29 @@ class Result:
     cached_tokens: int
     seconds: float
     tokens: list[int]
+    margins: list[float]
+    """The top-1 margin of every generated token (the cold reference's are the ones judged)."""
 
 
 Request = tuple[str, list[int]]
+COLD = "cold reference"
 
 
 def run(
-    manager: KVCacheManager, turns: int, answer_tokens: int, replay: list[Request] | None
+    name: str,
+    engine: dict[str, object],
+    turns: int,
+    answer_tokens: int,
+    replay: list[Request] | None,
 ) -> tuple[list[Request], list[Result]]:
     """Play the conversation on one engine (or replay another engine's exact requests)."""
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(**llm_kwargs(additional_config={"kv_cache_manager": manager.value}))
-    print(f"[{manager.value}] engine ready in {time.perf_counter() - started:.1f} s", flush=True)
+    llm = LLM(**llm_kwargs(None, **engine))
+    print(f"[{name}] engine ready in {time.perf_counter() - started:.1f} s", flush=True)
     params = SamplingParams(
-        max_tokens=answer_tokens, temperature=0.0, detokenize=False, ignore_eos=True
+        max_tokens=answer_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=2
     )
     requests: list[Request] = []
     results: list[Result] = []
@@ -72,10 +83,12 @@ def run(
     def generate(label: str, prompt: list[int]) -> list[int]:
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
         seconds = time.perf_counter() - t0
+        answer = out.outputs[0]
+        tokens = list(answer.token_ids)
+        margins = top1_margins(answer.logprobs or [])
         requests.append((label, prompt))
-        results.append(Result(label, len(prompt), out.num_cached_tokens, seconds, tokens))
+        results.append(Result(label, len(prompt), out.num_cached_tokens, seconds, tokens, margins))
         return tokens
 
     if replay is None:
@@ -87,29 +100,30 @@ def run(
     return requests, results
 
 
-def print_table(runs: dict[KVCacheManager, list[Result]]) -> None:
-    managers = list(runs)
-    header = f"{'request':<30}{'prompt':>7}"
+def verdict(result: Result, cold: Result) -> str:
+    parting = first_parting(result.tokens, cold.tokens, cold.margins)
+    return "same as cold" if parting is None else parting.describe()
+
+
+def print_table(runs: dict[str, list[Result]]) -> None:
+    managers = [name for name in runs if name != COLD]
+    header = f"{'request':<29}{'prompt':>7}"
     for m in managers:
-        header += f"{'cached ' + m.value:>22}{'seconds':>9}"
-    if len(managers) == 2:
-        header += "  greedy tokens"
-    print(header)
-    for row in zip(*runs.values(), strict=True):
-        line = f"{row[0].label:<30}{row[0].prompt_tokens:>7}"
-        for result in row:
-            line += f"{result.cached_tokens:>22}{result.seconds:>9.3f}"
-        if len(row) == 2:
-            pairs = zip(row[0].tokens, row[1].tokens, strict=True)
-            first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-            line += "  same" if first is None else f"  differ from token {first}"
-        print(line)
-    if len(managers) == 2:
-        print(
-            "(Both engines get the same requests. A request resumed from a state computed while "
-            "decoding can part from a cold prefill where two bf16 logits are within an ulp; "
-            "see the README.)"
-        )
+        header += f"{'cached ' + m:>21}{'s':>7}"
+    print(header + "  greedy tokens against the cold run")
+    for k, cold in enumerate(runs[COLD]):
+        line = f"{cold.label:<29}{cold.prompt_tokens:>7}"
+        for m in managers:
+            line += f"{runs[m][k].cached_tokens:>21}{runs[m][k].seconds:>7.3f}"
+        verdicts = "; ".join(f"{m}: {verdict(runs[m][k], cold)}" for m in managers)
+        print(f"{line}  {verdicts}")
+    print(
+        "(Every engine gets the same requests; the cold run is the same prompt alone, with no "
+        "prefix caching. Where an answer differs from it: the first position and the cold "
+        "run's top-1 margin there. A parting is allowed only at a near-tie, a margin under "
+        "0.5 nat, where a different computation of the same prefix can round a bf16 logit the "
+        "other way; see the README.)"
+    )
 
 
 def main() -> None:
@@ -118,7 +132,7 @@ def main() -> None:
         "--kv-cache-manager",
         choices=["both", *(m.value for m in KVCacheManager)],
         default="both",
-        help="run one cache manager, or both side by side (default)",
+        help="run one cache manager, or both side by side (default); a cold run is the reference",
     )
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--answer-tokens", type=int, default=96)
@@ -129,10 +143,14 @@ def main() -> None:
         if args.kv_cache_manager == "both"
         else [KVCacheManager(args.kv_cache_manager)]
     )
-    runs: dict[KVCacheManager, list[Result]] = {}
+    engines: dict[str, dict[str, object]] = {
+        m.value: {"additional_config": {"kv_cache_manager": m.value}} for m in chosen
+    }
+    engines[COLD] = {"enable_prefix_caching": False}
+    runs: dict[str, list[Result]] = {}
     replay: list[Request] | None = None
-    for manager in chosen:  # the second engine replays the first one's exact requests
-        replay, runs[manager] = run(manager, args.turns, args.answer_tokens, replay)
+    for name, engine in engines.items():  # later engines replay the first one's exact requests
+        replay, runs[name] = run(name, engine, args.turns, args.answer_tokens, replay)
     print_table(runs)
 
 

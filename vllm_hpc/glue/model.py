@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from vllm_hpc.glue.in_pass import capture_layer, install_fla_hook
@@ -56,10 +58,50 @@ class StateSlotSpec(MambaSpec):
         return False
 
 
+class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's GDN metadata builder, whose state indices are always rows of the `StatePool`.
+
+    In a scheduled step the GDN groups' block table holds each request's state slot (handed
+    out by `HybridPrefixKVCacheManager`). vLLM's warm-up steps and dummy runs bypass the
+    scheduler and disable the KV connector (`kv_connector.set_disabled(True)`): V2's
+    `_warmup_kernels` numbers blocks 1, 2, ... across every KV cache group of up to
+    max_num_seqs requests, far past the pool's 1 + C + D rows. Such steps run on the scratch
+    slot 0, as vLLM's own dummy block tables do (`BlockTables.get_dummy_block_tables`).
+    """
+
+    def __init__(self, kv_cache_spec: Any, layer_names: Any, vllm_config: Any, device: Any):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # vLLM lets later GDN groups re-gather their indices from the first group's metadata
+        # only for its own class (to keep KDA's builders out); this one builds the same.
+        self.supports_update_block_table = vllm_config.use_v2_model_runner and device.type == "cuda"
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not has_kv_transfer_group():  # a warm-up or dummy step: no state slots in it
+            table = torch.zeros_like(common_attn_metadata.block_table_tensor)
+            common_attn_metadata = common_attn_metadata.replace(block_table_tensor=table)
+        return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+    def update_block_table(self, metadata: Any, blk_table: Any, slot_mapping: Any) -> Any:
+        if not has_kv_transfer_group():
+            blk_table = torch.zeros_like(blk_table)
+        return super().update_block_table(metadata, blk_table, slot_mapping)
+
+
+class StateSlotGDNBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
+        return StateSlotGDNMetadataBuilder
+
+
 class HybridPrefixGDN(QwenGatedDeltaNetAttention):
     """A GDN layer reading and writing its states in the worker's `StatePool`."""
 
     state_pool: StatePool
+
+    def get_attn_backend(self) -> type[GDNAttentionBackend]:
+        return StateSlotGDNBackend
 
     def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec | None:
         pool = self.state_pool

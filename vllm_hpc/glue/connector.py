@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.host_layout import DeviceLayout
@@ -199,6 +201,12 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefetches.append(arena.restore(prefetch.blocks))
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
+        if self._restores and _full_graph_follows():
+            # A FULL CUDA graph runs no Python: neither `wait_for_layer_load` nor the GDN
+            # layers' `pool.wait_restored`. Such a step (a one-token resume among decodes) is
+            # short; let it start behind the whole restore (stream waits, no host sync).
+            for handle in self._restores:
+                handle.wait_all()
 
     def clear_connector_metadata(self) -> None:
         """After the step's forward pass: its in-pass captures are saved, and a later pass
@@ -239,3 +247,12 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _full_graph_follows() -> bool:
+    """Whether the pass this step's metadata is bound for replays a FULL CUDA graph. V2 binds
+    before a FULL replay outside the forward context and before other passes inside it
+    (`vllm/v1/worker/gpu/model_runner.py` execute_model); V1 binds inside it, mode set."""
+    if not is_forward_context_available():
+        return True
+    return get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL

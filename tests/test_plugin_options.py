@@ -208,3 +208,36 @@ def test_taps_saved_in_the_pass_follow_the_spec_grain_whatever_the_chunk() -> No
     assert _policy(512, in_pass=True).chunk_tokens == 512  # never coarser than the chunk
     user = _policy(8192, in_pass=True, cache_taps_per_request=3, cache_tap_ladder=1024)
     assert (user.max_new_taps, user.ladder_tokens) == (3, 1024)
+
+
+@pytest.mark.parametrize(
+    ("flag", "key", "chosen"),
+    [
+        (None, None, "triton"),  # the kernel whose chunk states allow taps inside the pass
+        ("flashinfer", None, "flashinfer"),
+        (None, "auto", "auto"),  # the user's explicit choice, vLLM's own default
+        ("triton", "triton", "triton"),
+    ],
+)
+def test_hybrid_prefix_selects_the_gdn_prefill_kernel_unless_the_user_did(
+    tiny_model_dir: Path, flag: str | None, key: str | None, chosen: str
+) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    config: dict[str, Any] = {"kv_cache_manager": "hybrid-prefix"}
+    if key is not None:
+        config["gdn_prefill_backend"] = key
+    args = EngineArgs(model=str(tiny_model_dir), gdn_prefill_backend=flag, additional_config=config)
+    vllm_config = args.create_engine_config()
+    assert vllm_config.additional_config["gdn_prefill_backend"] == chosen
+
+
+def test_a_gdn_prefill_flag_and_key_that_disagree_are_refused(tiny_model_dir: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = {"kv_cache_manager": "hybrid-prefix", "gdn_prefill_backend": "triton"}
+    args = EngineArgs(
+        model=str(tiny_model_dir), gdn_prefill_backend="flashinfer", additional_config=config
+    )
+    with pytest.raises(OptionError, match="--gdn-prefill-backend flashinfer"):
+        args.create_engine_config()

@@ -25,6 +25,9 @@ from vllm_hpc.options import OPTION_SPECS, OptionError, PluginOptions
 HELP_GROUP = "HybridPrefixCache"
 HELP_GROUP_DESCRIPTION = "vllm_hpc: the hybrid prefix cache for Qwen3.5 (Gated DeltaNet) models."
 CONNECTOR = "HybridPrefixConnector"
+GDN_PREFILL_KEY = "gdn_prefill_backend"
+GDN_PREFILL_DEFAULT = "triton"
+"""vLLM's Triton/FLA GDN prefill kernel: the one whose chunk states allow in-pass taps."""
 SCHEDULERS = {
     False: "vllm_hpc.glue.scheduler.HybridPrefixScheduler",
     True: "vllm_hpc.glue.scheduler.HybridPrefixAsyncScheduler",
@@ -125,6 +128,27 @@ def configure_engine_args(args: Any) -> None:
     args.enable_prefix_caching = False
     args.hf_overrides = ArchitectureOverride(args.hf_overrides or None)
     args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_producer")
+    default_gdn_prefill_backend(args)
+
+
+def default_gdn_prefill_backend(args: Any) -> None:
+    """Select the Triton/FLA GDN prefill kernel unless the user chose one.
+
+    vLLM reads the choice from ``additional_config["gdn_prefill_backend"]`` ("auto" when
+    absent: FlashInfer on Hopper); ``--gdn-prefill-backend`` (``EngineArgs.gdn_prefill_backend``)
+    is copied over that key in ``create_engine_config``. Either one set is the user's choice.
+    """
+    config = dict(args.additional_config or {})
+    flag = getattr(args, "gdn_prefill_backend", None)
+    given = config.get(GDN_PREFILL_KEY)
+    if flag is not None and given is not None and str(given).strip().lower() != flag:
+        raise OptionError(
+            f"--gdn-prefill-backend {flag} conflicts with --additional-config "
+            f"{GDN_PREFILL_KEY}={given!r}; give one of them"
+        )
+    if flag is None and given is None:
+        config[GDN_PREFILL_KEY] = GDN_PREFILL_DEFAULT
+    args.additional_config = config
 
 
 def _refuse(condition: bool, what: str) -> None:

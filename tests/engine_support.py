@@ -52,6 +52,14 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
     try:
+        asked = overrides.get("additional_config", {}).get("kv_cache_manager")
+        architecture = llm.llm_engine.vllm_config.model_config.architecture
+        # Without the plugin's entry point (a checkout on PYTHONPATH without its egg-info, as on
+        # a device machine) vLLM ignores the key and serves natively: fail, never test that.
+        assert asked != "hybrid-prefix" or architecture.startswith("HybridPrefix"), (
+            f"hybrid-prefix asked for, but vLLM resolved {architecture}: is vllm_hpc's "
+            "vllm.general_plugins entry point installed?"
+        )
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,133 @@
+"""hybrid-prefix under vLLM's default configuration on CUDA: torch.compile and CUDA graphs
+(CUDA only; CPU runs `tests/test_compiled.py`).
+
+Every `cudagraph_mode` a user can choose must start (vLLM's V2 warm-up runs made-up requests
+through the GDN layers) and serve exactly. Under FULL_AND_PIECEWISE, one batch sequence mixes
+decodes, resumed prefills, host restores (one of them a one-token resume, which vLLM replays as
+a FULL decode graph, where no layer wait runs) and aborts; every answer is checked against a
+cold run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from engine_support import (
+    assert_same_up_to_near_tie,
+    cache_of,
+    greedy,
+    greedy_params,
+    random_prompt,
+    running_llm,
+    tokens,
+)
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEFAULTS = {"enforce_eager": False, "max_model_len": 4096}
+HOSTED = {
+    "kv_cache_manager": "hybrid-prefix",
+    "host_cache_mib": 64,
+    "device_snapshot_slots": 3,
+    "cache_taps_per_request": 4,
+}
+ANSWER = 24
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model_dir: Any) -> Iterator[Any]:
+    with running_llm(enable_prefix_caching=False, **DEFAULTS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def graphs(tiny_model_dir: Any) -> Iterator[Any]:
+    """FULL_AND_PIECEWISE (vLLM's default), a device pool small enough to push work to the host."""
+    with running_llm(
+        in_process=True,
+        additional_config=HOSTED,
+        num_gpu_blocks_override=80,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        **DEFAULTS,
+    ) as llm:
+        mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+        assert mode.name == "FULL_AND_PIECEWISE"
+        yield llm
+
+
+@pytest.mark.parametrize(
+    ("mode", "runner"),
+    [
+        ("NONE", "V2"),
+        ("PIECEWISE", "V2"),
+        ("FULL", "V2"),
+        ("FULL_DECODE_ONLY", "V2"),
+        ("FULL_AND_PIECEWISE", "V1"),
+    ],
+)
+def test_every_cudagraph_mode_starts_and_resumes_exactly(
+    mode: str, runner: str, cold: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On vLLM's V2 model runner (what CUDA uses) and on the V1 runner (what vLLM falls back to
+    where V2 lacks a feature; selected here with VLLM_USE_V2_MODEL_RUNNER=0)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "V2" else "0")
+    config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
+    with running_llm(
+        additional_config=config, compilation_config={"cudagraph_mode": mode}, **DEFAULTS
+    ) as llm:
+        prompt = random_prompt(seed=1, length=1300)
+        first = greedy(llm, [prompt], ANSWER)[0]
+        turn = prompt + tokens(first) + random_prompt(seed=2, length=65)
+        second = greedy(llm, [turn], ANSWER)[0]
+        print(f"{mode} {runner}: second turn cached {second.num_cached_tokens}")
+        assert second.num_cached_tokens >= 1024
+        for out, asked in ((first, prompt), (second, turn)):
+            assert_same_up_to_near_tie(out, cold, asked, ANSWER)
+
+
+def _finished(outputs: list[Any]) -> dict[str, Any]:
+    return {out.request_id: out for out in outputs if out.finished}
+
+
+def test_mixed_batches_under_full_and_piecewise_match_cold_runs(graphs: Any, cold: Any) -> None:
+    cache = cache_of(graphs)
+    # Histories that later requests resume: one pushed to the host, two kept on the device.
+    host_prompt = random_prompt(seed=10, length=64 * 20 + 1)  # a retry resumes at n - 1
+    kept = [random_prompt(seed=11 + k, length=900) for k in range(2)]
+    answers = {tuple(p): tokens(greedy(graphs, [p], ANSWER)[0]) for p in [host_prompt, *kept]}
+    for seed in range(30, 34):  # other traffic pushes the first history off the device
+        greedy(graphs, [random_prompt(seed=seed, length=1500)], 4)
+    decoding = [random_prompt(seed=50 + k, length=100) for k in range(3)]
+    retry = list(host_prompt)  # restored from the host with one prompt token left: beside the
+    # decodes only, vLLM replays that step as a FULL decode graph
+    turns = [
+        p + answers[tuple(p)] + random_prompt(seed=40 + k, length=200) for k, p in enumerate(kept)
+    ]
+    doomed = [random_prompt(seed=60 + k, length=700) for k in range(2)]
+    prompts = [*decoding, retry, *turns, *doomed]
+    before = cache.admissions.hit_tokens_host
+    engine = graphs.llm_engine
+    waves = [[0, 1, 2], [3], [4, 5, 6, 7]]
+    finished: dict[str, Any] = {}
+    for k, wave in enumerate(waves):
+        for i in wave:
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, greedy_params(ANSWER))
+        for _ in range(2 if k == 0 else 1):
+            finished.update(_finished(engine.step()))
+    engine.abort_request(["6", "7"])  # mid-prefill
+    while engine.has_unfinished_requests():
+        finished.update(_finished(engine.step()))
+    assert cache.admissions.hit_tokens_host > before  # the retry came back from the host
+    print("mixed: cached", {k: v.num_cached_tokens for k, v in sorted(finished.items())})
+    assert finished["3"].num_cached_tokens >= 1024
+    for i, prompt in enumerate(prompts[:6]):
+        assert_same_up_to_near_tie(finished[str(i)], cold, prompt, ANSWER)
+    greedy(graphs, [random_prompt(seed=999, length=70)], 2)  # host writes land
+    cache.audit()

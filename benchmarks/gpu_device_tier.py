@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_hpc.exactness import first_parting
+
 ANSWER = 16
-NEAR_TIE = 0.5
 
 
 def prompt(seed: int, length: int, vocab: int) -> list[int]:
@@ -151,7 +152,7 @@ def timings(llm: Any, vocab: int, prefill_len: int) -> dict[str, float]:
     }
 
 
-def engine(model: str, max_len: int, hybrid: bool, load_format: str = "dummy") -> Any:
+def engine(model: str, max_len: int, hybrid: bool, load_format: str, eager: bool) -> Any:
     from vllm import LLM
 
     config: dict[str, Any] = {"gdn_prefill_backend": "triton"}
@@ -163,7 +164,7 @@ def engine(model: str, max_len: int, hybrid: bool, load_format: str = "dummy") -
         skip_tokenizer_init=True,
         max_model_len=max_len,
         gpu_memory_utilization=0.85,
-        enforce_eager=True,
+        enforce_eager=eager,
         additional_config=config,
         seed=0,
     )
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--reuse", help="JSON of an earlier run whose cold engine results to keep")
     ap.add_argument("--load-format", default="dummy", help="auto: the model's own weights")
     ap.add_argument("--scenarios-only", action="store_true", help="no speed measurements")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,10 +219,11 @@ def main() -> None:
         if name in report:
             continue
         t = time.time()
-        llm = engine(args.model, args.max_model_len, hybrid, args.load_format)
+        llm = engine(args.model, args.max_model_len, hybrid, args.load_format, args.eager)
         print(f"[{name}] engine ready in {time.time() - t:.0f} s", flush=True)
         report[name] = {
             "startup_s": time.time() - t,
+            "mode": execution_mode(llm),
             "timing": None if args.scenarios_only else timings(llm, vocab, args.prefill_len),
         }
         print(f"[{name}] timing {report[name]['timing']}", flush=True)
@@ -235,8 +238,19 @@ def main() -> None:
     print("\n".join(lines), flush=True)
 
 
+def execution_mode(llm: Any) -> str:
+    """How vLLM runs the model: eager, or torch.compile with its CUDA graph mode."""
+    config = llm.llm_engine.vllm_config
+    if config.model_config.enforce_eager:
+        return "eager"
+    return f"torch.compile, cudagraph_mode {config.compilation_config.cudagraph_mode.name}"
+
+
 def compare(report: dict[str, Any], args: Any) -> list[str]:
+    modes = {name: report[name].get("mode", "eager (not recorded)") for name in ("cold", "hybrid")}
     lines = [
+        f"Mode: cold engine {modes['cold']}; hybrid engine {modes['hybrid']}.",
+        "",
         "| scenario | cached (hybrid) | expected | greedy tokens vs cold |",
         "|---|---|---|---|",
     ]
@@ -245,13 +259,8 @@ def compare(report: dict[str, Any], args: Any) -> list[str]:
         verdicts = []
         refs = zip(res["tokens"], cold[name]["tokens"], cold[name]["margins"], strict=True)
         for got, ref, margins in refs:
-            diff = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
-            if diff is None:
-                verdicts.append("identical")
-            else:
-                margin = margins[diff][0] - margins[diff][1]
-                tie = "near-tie" if margin < NEAR_TIE else "NOT a near-tie"
-                verdicts.append(f"differs at {diff} (cold margin {margin:.3f}: {tie})")
+            parting = first_parting(got, ref, [best[0] - best[1] for best in margins])
+            verdicts.append("identical" if parting is None else parting.describe())
         lines.append(
             f"| {name} | {res['cached']} | {res['expect_cached'] or '-'} | {'; '.join(verdicts)} |"
         )

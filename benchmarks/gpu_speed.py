@@ -123,7 +123,7 @@ def engine_kwargs(args: Any, config: str) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": True,
+        "enforce_eager": args.eager,
         "additional_config": extra,
         "seed": 0,
     }
@@ -134,6 +134,9 @@ def engine_facts(llm: Any) -> dict[str, Any]:
     cfg = llm.llm_engine.vllm_config
     facts = {}
     for name, obj, attr in (
+        ("enforce_eager", cfg.model_config, "enforce_eager"),
+        ("cudagraph_mode", cfg.compilation_config, "cudagraph_mode"),
+        ("mamba_ssm_cache_dtype", cfg.cache_config, "mamba_ssm_cache_dtype"),
         ("enable_prefix_caching", cfg.cache_config, "enable_prefix_caching"),
         ("mamba_cache_mode", cfg.cache_config, "mamba_cache_mode"),
         ("block_size", cfg.cache_config, "block_size"),
@@ -504,6 +507,7 @@ def parse_args() -> Any:
     ap.add_argument("--rounds", type=int, default=1, help="ABBA blocks (native, hybrid x2, native)")
     ap.add_argument("--max-model-len", type=int, help="32768; CPU 8192")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
     ap.add_argument(
         "--budget-s", type=float, help="skip engines that would end later (550 s; CPU 3600)"
     )

@@ -100,6 +100,8 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
     [
         ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
+        ({"enable_lora": True}, "hybrid-prefix does not support --enable-lora"),
+        ({"enable_prompt_embeds": True}, "hybrid-prefix does not support --enable-prompt-embeds"),
         (
             {"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}},
             "--host-cache-mib",
@@ -117,6 +119,69 @@ def test_llm_api_refuses_unsupported_combinations(
     kwargs = {"additional_config": {"kv_cache_manager": "hybrid-prefix"}, **engine_kwargs}
     with pytest.raises(OptionError, match=message):
         LLM(**llm_kwargs(**kwargs))
+
+
+@pytest.fixture
+def unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Load the plugin as it loads on a vLLM other than the pinned one (in this process, until
+    the test ends): `vllm.__version__` reads 0.99.0 and `register()` runs again. Its guard
+    wraps the real hooks already installed; what it refuses never reaches them."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    from vllm_hpc.glue import engine_args
+    from vllm_hpc.plugin import register
+
+    load_general_plugins()  # the real hooks, once per process, so vLLM does not load them later
+    for name in ("add_cli_args", "from_cli_args", "create_engine_config"):
+        monkeypatch.setattr(EngineArgs, name, EngineArgs.__dict__[name])  # restored afterwards
+    monkeypatch.setattr(engine_args, "_installed", False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    register()
+    return "0.99.0"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kv-cache-manager", "hybrid-prefix"],
+        ["--additional-config", '{"kv_cache_manager": "hybrid-prefix"}'],
+    ],
+    ids=["flag", "additional-config"],
+)
+def test_hybrid_prefix_on_another_vllm_names_both_versions(
+    unsupported_vllm: str, tiny_model_dir: Path, argv: list[str]
+) -> None:
+    from vllm_hpc.glue import UnsupportedVLLMVersion
+
+    args = _parse(["--model", str(tiny_model_dir), "--skip-tokenizer-init", *argv])
+    pattern = rf"hybrid-prefix .*vLLM 0\.32\.0 only; found vLLM {unsupported_vllm}"
+    with pytest.raises(UnsupportedVLLMVersion, match=pattern):
+        args.create_engine_config()
+
+
+def test_llm_api_hybrid_prefix_on_another_vllm_names_both_versions(
+    unsupported_vllm: str, tiny_model_dir: Path
+) -> None:
+    """Refused before any engine starts (the key is not silently ignored)."""
+    from vllm import LLM
+
+    from vllm_hpc.glue import UnsupportedVLLMVersion
+    from vllm_hpc.tiny_model import llm_kwargs
+
+    kwargs = llm_kwargs(tiny_model_dir, additional_config={"kv_cache_manager": "hybrid-prefix"})
+    with pytest.raises(UnsupportedVLLMVersion, match=rf"0\.32\.0.*{unsupported_vllm}"):
+        LLM(**kwargs)
+
+
+def test_native_on_another_vllm_is_unaffected(unsupported_vllm: str, tiny_model_dir: Path) -> None:
+    args = _parse(["--model", str(tiny_model_dir), "--skip-tokenizer-init"])
+    vllm_config = args.create_engine_config()
+    assert vllm_config.kv_transfer_config is None
+    assert "vllm_hpc" not in str(vllm_config.scheduler_config.scheduler_cls)
+    native = _parse(["--model", str(tiny_model_dir), "--kv-cache-manager", "native"])
+    assert native.additional_config == {"kv_cache_manager": "native"}
 
 
 @pytest.mark.parametrize(

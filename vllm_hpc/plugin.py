@@ -17,8 +17,15 @@ def register() -> None:
     try:
         check_vllm_version()
     except UnsupportedVLLMVersion as error:
-        # Refusing to start vLLM would also break users who never select the plugin.
-        logger.error("%s The vllm_hpc plugin is disabled.", error)
+        # Refusing to start vLLM would also break users who never select the plugin; a user
+        # who does select it is refused at start-up, naming both versions.
+        logger.error(
+            "%s The vllm_hpc plugin is disabled: --kv-cache-manager hybrid-prefix is refused.",
+            error,
+        )
+        from vllm_hpc.glue.engine_args import install_version_guard
+
+        install_version_guard(error)
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 

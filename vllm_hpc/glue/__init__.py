@@ -1,7 +1,9 @@
 """Everything that depends on the pinned vLLM version lives in this package.
 
 Each module here hooks one vLLM extension point. `check_vllm_version` guards them all: the
-hooks are written against vLLM 0.32.0 and are not installed on any other version.
+hooks are written against vLLM 0.32.0 and are not installed on any other version, except the
+`EngineArgs` hooks' version guard, which refuses `--kv-cache-manager hybrid-prefix` there
+(`vllm_hpc.glue.engine_args.install_version_guard`).
 """
 
 from __future__ import annotations

@@ -10,17 +10,25 @@ and the Python `LLM` API alike:
 - `create_engine_config`: validates the options and, for `hybrid-prefix`, configures vLLM to
   run the cache: vllm_hpc's model class, 64-token attention blocks, its scheduler and its KV
   connector (the per-step channel that carries state copies to the workers).
+
+On a vLLM other than the pinned one the plugin installs nothing else, but these hooks stay (as
+`install_version_guard`) so that a user who asks for `hybrid-prefix` is refused at start-up,
+naming both versions, instead of silently getting vLLM's own caching.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_hpc.glue import UnsupportedVLLMVersion
 from vllm_hpc.glue.architecture import ArchitectureOverride
 from vllm_hpc.index import BLOCK_TOKENS
-from vllm_hpc.options import OPTION_SPECS, OptionError, PluginOptions
+from vllm_hpc.options import OPTION_SPECS, KVCacheManager, OptionError, PluginOptions
+
+logger = logging.getLogger("vllm.vllm_hpc")
 
 HELP_GROUP = "HybridPrefixCache"
 HELP_GROUP_DESCRIPTION = "vllm_hpc: the hybrid prefix cache for Qwen3.5 (Gated DeltaNet) models."
@@ -36,8 +44,13 @@ SCHEDULERS = {
 _installed = False
 
 
-def install_engine_args_hooks() -> None:
-    """Wrap the three `EngineArgs` methods once per process."""
+def install_engine_args_hooks(unsupported: UnsupportedVLLMVersion | None = None) -> None:
+    """Wrap the three `EngineArgs` methods once per process.
+
+    With `unsupported` (the installed vLLM is not the pinned one) `create_engine_config`
+    refuses `hybrid-prefix` with that error instead of configuring it; see
+    `install_version_guard`.
+    """
     global _installed
     if _installed:
         return
@@ -58,6 +71,11 @@ def install_engine_args_hooks() -> None:
         return engine_args
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if unsupported is not None and requests_hybrid_prefix(self.additional_config):
+            raise UnsupportedVLLMVersion(
+                f"--kv-cache-manager hybrid-prefix is unavailable: {unsupported} Without "
+                "--kv-cache-manager hybrid-prefix, vLLM serves with its own prefix caching."
+            )
         options = PluginOptions.from_additional_config(self.additional_config)
         if not options.hybrid_prefix:
             return original_create(self, *args, **kwargs)
@@ -72,6 +90,30 @@ def install_engine_args_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config
     _installed = True
+
+
+def install_version_guard(unsupported: UnsupportedVLLMVersion) -> None:
+    """On an unsupported vLLM: keep the plugin's flags and refuse `hybrid-prefix` (CLI flag or
+    `additional_config` key) when vLLM builds its configuration, with `unsupported`'s message
+    naming the installed and the required versions. Users who never select the plugin are
+    unaffected. The hooks were written against the pinned vLLM; should they not fit this one,
+    the guard is skipped with an error in the log rather than breaking vLLM for everyone.
+    """
+    try:
+        install_engine_args_hooks(unsupported)
+    except Exception:
+        logger.exception(
+            "vllm_hpc could not install its version guard on this vLLM: "
+            "--kv-cache-manager hybrid-prefix will not be refused here."
+        )
+
+
+def requests_hybrid_prefix(additional_config: Any) -> bool:
+    """Whether `additional_config` selects `hybrid-prefix` (read without validating the rest)."""
+    return (
+        isinstance(additional_config, Mapping)
+        and additional_config.get("kv_cache_manager") == KVCacheManager.HYBRID_PREFIX.value
+    )
 
 
 def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +158,15 @@ def configure_engine_args(args: Any) -> None:
     _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
     _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
+    # vLLM keys its own prefix cache by LoRA adapter; this cache does not, so two adapters would
+    # share KV blocks and recurrent states computed with different weights.
+    _refuse(bool(args.enable_lora), "--enable-lora (its cache is not keyed by LoRA adapter)")
+    # Prompt embeddings carry placeholder token ids: two embedding prompts of one length would
+    # look identical to a cache keyed by token ids.
+    _refuse(
+        bool(args.enable_prompt_embeds),
+        "--enable-prompt-embeds (its cache is keyed by token ids, which prompt embeddings lack)",
+    )
     if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(
             f"--block-size {args.block_size}: --kv-cache-manager hybrid-prefix caches "

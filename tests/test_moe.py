@@ -54,34 +54,3 @@ def test_moe_next_turn_and_branch_resume_exactly(hybrid: Any, cold: Any) -> None
         assert out.num_cached_tokens == cached
         assert_same_up_to_near_tie(out, cold, branch, 32)
     cache_of(hybrid).audit()
-
-
-def _state_dtypes(llm: Any) -> set[tuple[str, ...]]:
-    """The dtypes of every GDN layer's (conv, recurrent) state tensors in an in-process engine."""
-
-    def read(model: Any) -> set[tuple[str, ...]]:
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-            QwenGatedDeltaNetAttention,
-        )
-
-        layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
-        return {tuple(str(t.dtype) for t in layer.kv_cache) for layer in layers}
-
-    return set().union(*llm.apply_model(read))
-
-
-@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
-def test_states_are_kept_in_the_checkpoints_dtype(moe_model: str, checkpoint: str) -> None:
-    """The recurrent state is cached in the checkpoint's `mamba_ssm_dtype`, as vLLM caches it
-    for its own Qwen3.5 classes (it applies that by architecture name). hybrid-prefix's classes
-    did not get it: their state followed the platform's default instead (bf16 on CUDA and on
-    AVX2 CPUs, float32 on AVX-512-BF16 CPUs), and on AVX2 machines the branch above parted
-    from the cold run."""
-    with running_llm(
-        model=moe_model,
-        in_process=True,
-        additional_config=HYBRID,
-        hf_overrides={"mamba_ssm_dtype": checkpoint},
-    ) as llm:
-        assert llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype == checkpoint
-        assert _state_dtypes(llm) == {("torch.bfloat16", f"torch.{checkpoint}")}

@@ -223,3 +223,16 @@ def test_parallel_sampling_and_prompt_logprobs(hybrid: Any) -> None:
     logprobs = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1, ignore_eos=True)
     (out,) = hybrid.generate([{"prompt_token_ids": prompt}], logprobs, use_tqdm=False)
     assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+
+
+@pytest.mark.parametrize("bad", [1_000_000_000, 4096, -1])
+def test_a_token_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serving(
+    hybrid: Any, cold: Any, bad: int
+) -> None:
+    """Without a tokenizer vLLM checks no token id, and an id beyond the vocabulary killed the
+    engine core in the embedding kernel; hybrid-prefix checks the model's vocabulary (4096)."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=f"token id {bad} is out of the model's"):
+        greedy(hybrid, [[1, bad, 3]], 4)
+    served(hybrid, cold, random_prompt(seed=77, length=300))

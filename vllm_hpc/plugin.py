@@ -32,9 +32,11 @@ def register() -> None:
     from vllm_hpc.glue.architecture import register_models
     from vllm_hpc.glue.engine_args import CONNECTOR, install_engine_args_hooks
     from vllm_hpc.glue.sampling import install_sampling_params_hook
+    from vllm_hpc.glue.token_ids import install_token_id_check
 
     install_engine_args_hooks()
     install_sampling_params_hook()
+    install_token_id_check()
     register_models()
     if CONNECTOR not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.connector", CONNECTOR)

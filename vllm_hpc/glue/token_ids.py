@@ -1,0 +1,53 @@
+"""Prompt token ids checked against the model's vocabulary, also without a tokenizer.
+
+vLLM checks a prompt's token ids against its tokenizer only (`BaseRenderer.validate_token_ids`
+returns at once when there is none): with `--skip-tokenizer-init` a prompt holding an id beyond
+the vocabulary reaches the embedding kernel, whose out-of-bounds read kills the engine core, and
+every later request fails until a restart. For models served by hybrid-prefix the check runs
+against the model's vocabulary size there too, so such a prompt is the client's 400 error
+naming the id, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_hpc.glue.architecture import ARCHITECTURES
+
+_installed = False
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why ``token_ids`` cannot be a prompt of a model with ``vocab_size`` tokens, or None."""
+    if not token_ids:
+        return None
+    low, high = min(token_ids), max(token_ids)
+    bad = low if low < 0 else high if high >= vocab_size else None
+    if bad is None:
+        return None
+    return f"token id {bad} is out of the model's vocabulary (ids 0 to {vocab_size - 1})"
+
+
+def install_token_id_check() -> None:
+    """Run the vocabulary check where vLLM skips it, for hybrid-prefix's model classes."""
+    global _installed
+    if _installed:
+        return
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.base import BaseRenderer
+
+    ours = set(ARCHITECTURES.values())
+    original = BaseRenderer.validate_token_ids
+
+    def validate_token_ids(
+        self: Any, token_ids: Sequence[int], *, parameter: str | None = None
+    ) -> None:
+        original(self, token_ids, parameter=parameter)
+        if self.tokenizer is None and self.model_config.architecture in ours:
+            reason = check_token_ids(token_ids, self.model_config.get_vocab_size())
+            if reason is not None:
+                raise VLLMValidationError(reason, parameter=parameter or "prompt")
+
+    BaseRenderer.validate_token_ids = validate_token_ids
+    _installed = True

@@ -88,6 +88,10 @@ def test_merge_keeps_vllm_keys() -> None:
             {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_tap_ladder": 512},
             "no effect with --no-prefix-reuse",
         ),
+        (
+            {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_tap_min_gap": 64},
+            "--cache-tap-min-gap has no effect with --no-prefix-reuse",
+        ),
     ],
 )
 def test_impossible_options_name_the_option(config: dict[str, Any], message: str) -> None:

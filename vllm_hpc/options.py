@@ -118,7 +118,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         flag="--cache-taps-per-request",
         help=(
             "At most this many new snapshots are planned per prompt (default: 8 with a host "
-            "tier, 2 without). " + _HYBRID_ONLY
+            "tier or with two snapshot slots per active slot, else 2; 16 where taps are saved "
+            "inside the prefill pass). " + _HYBRID_ONLY
         ),
         parse=_count(0),
     ),
@@ -126,8 +127,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="cache_tap_ladder",
         flag="--cache-tap-ladder",
         help=(
-            "Tokens G of the geometric tap ladder n - G*2^k (default: max(4096, 2 x prefill "
-            "chunk)). " + _HYBRID_ONLY
+            "Tokens G of the geometric tap ladder n - G*2^k (default: max(4096, 2 x the tap "
+            "grain: the prefill chunk, or 2048 where taps are saved inside the pass)). "
+            + _HYBRID_ONLY
         ),
         parse=_count(64),
     ),
@@ -136,7 +138,7 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         flag="--cache-tap-min-gap",
         help=(
             "Minimum tokens between a ladder tap and any other snapshot (default: max(1024, "
-            "prefill chunk)). " + _HYBRID_ONLY
+            "the tap grain)). " + _HYBRID_ONLY
         ),
         parse=_count(0),
     ),
@@ -218,7 +220,13 @@ class PluginOptions:
             )
         if self.no_prefix_reuse:
             tap_options = sorted(
-                given & {"device_snapshot_slots", "cache_taps_per_request", "cache_tap_ladder"}
+                given
+                & {
+                    "device_snapshot_slots",
+                    "cache_taps_per_request",
+                    "cache_tap_ladder",
+                    "cache_tap_min_gap",
+                }
             )
             if tap_options:
                 raise OptionError(

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def _running_server(model: Path, log: Path, *extra: str) -> Iterator[str]:
+    """An OpenAI server with hybrid-prefix on ``model``; yields its base URL."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     command = [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(tiny_model_dir),
+        str(model),
         "--host",
         "127.0.0.1",
         "--port",
@@ -48,11 +49,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--enforce-eager",
         "--max-model-len",
         "4096",
-        "--gpu-memory-utilization",
-        "0.2",
         "--enable-prompt-tokens-details",
         "--kv-cache-manager",
         "hybrid-prefix",
+        *extra,
     ]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -73,6 +73,13 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with _running_server(tiny_model_dir, log, "--gpu-memory-utilization", "0.2") as base:
+        yield base
 
 
 def _post(
@@ -241,3 +248,19 @@ def test_new_conversation_resumes_at_the_end_of_the_shared_system_block(server: 
     assert other["prompt_token_ids"][:shared] == first["prompt_token_ids"][:shared]
     assert _cached(other) == system_end
     _assert_matches_cold(server, other)
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400_without_a_tokenizer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM checks token ids only against a tokenizer; without one, an id beyond the
+    vocabulary killed the engine core. The plugin refuses it, and the server keeps serving."""
+    extra = ("--gpu-memory-utilization", "0.1", "--skip-tokenizer-init")
+    with _running_server(tiny_model_dir, tmp_path / "server.log", *extra) as base:
+        for bad in (1_000_000_000, DEFAULT_RECIPE.vocab_size, -1):
+            status, body = _post(base, {"model": _model(base), "prompt": [1, bad, 3]})
+            assert status == 400, body
+            # A negative id is already refused by vLLM's request schema, naming the field.
+            expected = "body.prompt" if bad < 0 else f"token id {bad} is out of the model's"
+            assert expected in json.dumps(body)
+        assert len(_complete(base, random_prompt(seed=5, length=100), 4)["choices"]) == 1

@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=100_000)
     ap.add_argument("--host-mib", type=int, default=24_576)
     ap.add_argument("--kv-gib", type=float, default=14.0)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
     args = ap.parse_args()
     from vllm import LLM
 
@@ -115,7 +116,7 @@ def main() -> None:
         max_model_len=args.length + 512,
         kv_cache_memory_bytes=int(args.kv_gib * 2**30),
         max_num_seqs=16,
-        enforce_eager=True,
+        enforce_eager=args.eager,
         seed=0,
         additional_config={
             "kv_cache_manager": "hybrid-prefix",

@@ -236,7 +236,7 @@ def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[
 
 
 def engine_kwargs(
-    config: str, profile: Profile, model: str | None, block: int, host_mib: int
+    config: str, profile: Profile, model: str | None, block: int, host_mib: int, eager: bool
 ) -> dict:
     """Engine arguments of one configuration; only the cache settings differ between them."""
     cache: dict[str, Any] = {"enable_prefix_caching": True}
@@ -255,7 +255,7 @@ def engine_kwargs(
         "model": model,
         "load_format": "dummy",
         "skip_tokenizer_init": True,
-        "enforce_eager": True,
+        "enforce_eager": eager,
         "seed": 0,
         "disable_log_stats": False,
         **limits,
@@ -352,6 +352,9 @@ def main() -> None:
         "--resume", type=Path, help="JSON of an earlier run: keep its configurations"
     )
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
+    parser.add_argument(
+        "--eager", action="store_true", help="GPU: enforce_eager (default: vLLM's graphs)"
+    )
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()
@@ -403,9 +406,11 @@ def main() -> None:
         block = data["configs"].get("native", {}).get("engine", {}).get("block", 0)
         if config == "native-dense" and not block:
             raise SystemExit("native-dense takes its retention interval from native: run it first")
-        kwargs = engine_kwargs(config, profile, args.model, block, args.host_cache_mib)
+        kwargs = engine_kwargs(config, profile, args.model, block, args.host_cache_mib, args.eager)
         print(f"[{config}] starting", flush=True)
         data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
+        graphs = "torch.compile and CUDA graphs (vLLM's defaults)"
+        data["configs"][config]["mode"] = "eager" if kwargs["enforce_eager"] else graphs
         path.write_text(json.dumps(data))
     memory.stop.set()
     path.write_text(json.dumps(data))  # also when --resume left nothing to run

@@ -132,6 +132,9 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         f"Started: {data['date']}  ",
         f"vLLM {data['vllm']}; machine: {data['machine']}  ",
         f"Profile: {', '.join(f'{k}={v}' for k, v in profile.items())}  ",
+        "Mode: "
+        + "; ".join(f"{c} {data['configs'][c].get('mode', 'eager (unrecorded)')}" for c in configs)
+        + "  ",
         "Each configuration is one engine (vLLM `AsyncLLM`, `vllm serve`'s defaults), started "
         "back to back in one "
         "process; every workload runs on it in the order below. Single-session workloads send "

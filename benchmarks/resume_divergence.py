@@ -53,18 +53,6 @@ def record_routers(llm: Any, store: dict[str, list[Any]]) -> None:
     llm.apply_model(install)
 
 
-def state_dtypes(llm: Any) -> set[tuple[str, ...]]:
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-        QwenGatedDeltaNetAttention,
-    )
-
-    def read(model: Any) -> set[tuple[str, ...]]:
-        layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
-        return {tuple(str(t.dtype).removeprefix("torch.") for t in m.kv_cache) for m in layers}
-
-    return set().union(*llm.apply_model(read))
-
-
 def branch_run(llm: Any, prompt: list[int], store: dict[str, list[Any]]) -> dict[str, Any]:
     """The branch's greedy tokens, logprobs and router logits (this request's passes only)."""
     import torch
@@ -116,7 +104,7 @@ def main() -> None:
     if args.isa == "avx2":
         emulate_avx2()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from engine_support import HYBRID, greedy, random_prompt, running_llm, tokens
+    from engine_support import HYBRID, greedy, random_prompt, running_llm, state_dtypes, tokens
 
     from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
 

@@ -94,6 +94,28 @@ def cache_of(llm: Any) -> HybridPrefixCache:
     return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
 
 
+def settle_and_audit(llm: Any) -> None:
+    """Run one more short request, so that the last step's copies and host writes land, then
+    check the index's invariants and that nothing leaks."""
+    greedy(llm, [random_prompt(seed=999, length=70)], max_tokens=2)
+    cache_of(llm).audit()
+
+
+def state_dtypes(llm: Any) -> set[tuple[str, ...]]:
+    """The dtypes ("bfloat16", ...) of every GDN layer's (conv, recurrent) state tensors in the
+    engine's worker (an in-process engine: the function runs there as it is)."""
+
+    def read(model: Any) -> set[tuple[str, ...]]:
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+            QwenGatedDeltaNetAttention,
+        )
+
+        layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+        return {tuple(str(t.dtype).removeprefix("torch.") for t in m.kv_cache) for m in layers}
+
+    return set().union(*llm.apply_model(read))
+
+
 def random_prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(DEFAULT_RECIPE.vocab_size) for _ in range(length)]

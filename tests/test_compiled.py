@@ -16,9 +16,11 @@ from engine_support import (
     SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
+    cold_reference,
     greedy,
     random_prompt,
     running_llm,
+    settle_and_audit,
     tokens,
 )
 
@@ -30,7 +32,7 @@ COMPILED = {"enforce_eager": False, "max_model_len": 2048}
 
 @pytest.fixture(scope="module")
 def compiled_cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with running_llm(enable_prefix_caching=False, **COMPILED) as llm:
+    with cold_reference(**COMPILED) as llm:
         yield llm
 
 
@@ -54,11 +56,6 @@ def compiled(tiny_model_dir: Any) -> Iterator[Any]:
         yield llm
 
 
-def audit(llm: Any) -> None:
-    greedy(llm, [random_prompt(seed=999, length=70)], max_tokens=2)  # host writes land
-    cache_of(llm).audit()
-
-
 def test_compiled_engine_resumes_from_a_tap_an_endpoint_and_the_host(
     compiled: Any, compiled_cold: Any
 ) -> None:
@@ -67,18 +64,18 @@ def test_compiled_engine_resumes_from_a_tap_an_endpoint_and_the_host(
     first = greedy(compiled, [prompt], ANSWER)[0]
     assert first.num_cached_tokens == 0
     assert_same_up_to_near_tie(first, compiled_cold, prompt, ANSWER)
-    audit(compiled)
+    settle_and_audit(compiled)
 
     again = greedy(compiled, [prompt], ANSWER)[0]
     assert again.num_cached_tokens == 1472  # the tail tap at floor64(n - 1), plus a tail
     assert_same_up_to_near_tie(again, compiled_cold, prompt, ANSWER)
-    audit(compiled)
+    settle_and_audit(compiled)
 
     turn = prompt + tokens(first) + random_prompt(seed=2, length=100)
     following = greedy(compiled, [turn], ANSWER)[0]
     assert following.num_cached_tokens == len(prompt) + ANSWER - 1  # the first turn's endpoint
     assert_same_up_to_near_tie(following, compiled_cold, turn, ANSWER)
-    audit(compiled)
+    settle_and_audit(compiled)
 
     for seed in range(10, 14):  # other conversations push the prompt's pages off the device
         greedy(compiled, [random_prompt(seed=seed, length=1500)], 4)
@@ -87,4 +84,4 @@ def test_compiled_engine_resumes_from_a_tap_an_endpoint_and_the_host(
     assert restored.num_cached_tokens == 1472
     assert cache.admissions.hit_tokens_host - before == 1472
     assert_same_up_to_near_tie(restored, compiled_cold, prompt, ANSWER)
-    audit(compiled)
+    settle_and_audit(compiled)

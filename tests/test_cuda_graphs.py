@@ -18,10 +18,12 @@ import torch
 from engine_support import (
     assert_same_up_to_near_tie,
     cache_of,
+    cold_reference,
     greedy,
     greedy_params,
     random_prompt,
     running_llm,
+    settle_and_audit,
     tokens,
 )
 
@@ -42,7 +44,7 @@ ANSWER = 24
 
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir: Any) -> Iterator[Any]:
-    with running_llm(enable_prefix_caching=False, **DEFAULTS) as llm:
+    with cold_reference(**DEFAULTS) as llm:
         yield llm
 
 
@@ -129,5 +131,4 @@ def test_mixed_batches_under_full_and_piecewise_match_cold_runs(graphs: Any, col
     assert finished["3"].num_cached_tokens >= 1024
     for i, prompt in enumerate(prompts[:6]):
         assert_same_up_to_near_tie(finished[str(i)], cold, prompt, ANSWER)
-    greedy(graphs, [random_prompt(seed=999, length=70)], 2)  # host writes land
-    cache.audit()
+    settle_and_audit(graphs)

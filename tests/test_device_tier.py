@@ -20,6 +20,7 @@ from engine_support import (
     greedy_params,
     random_prompt,
     running_llm,
+    settle_and_audit,
     tokens,
 )
 
@@ -56,9 +57,7 @@ def audit_after(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each scenario: invariants hold and nothing leaks."""
     yield
     if "hybrid" in request.fixturenames:
-        llm = request.getfixturevalue("hybrid")
-        greedy(llm, [random_prompt(seed=999, length=70)], max_tokens=2)  # one more step
-        cache_of(llm).audit()
+        settle_and_audit(request.getfixturevalue("hybrid"))
 
 
 def served(

@@ -18,6 +18,7 @@ from engine_support import (
     greedy,
     greedy_params,
     random_prompt,
+    settle_and_audit,
     small_pool_llm,
     tokens,
 )
@@ -43,8 +44,7 @@ def hosted(tiny_model_dir: Any) -> Iterator[Any]:
 @pytest.fixture(autouse=True)
 def audit_after(hosted: Any) -> Iterator[None]:
     yield
-    greedy(hosted, [random_prompt(seed=999, length=70)], max_tokens=2)  # writes land
-    cache_of(hosted).audit()
+    settle_and_audit(hosted)
 
 
 def push_off_device(llm: Any, seed: int, count: int = 4) -> None:

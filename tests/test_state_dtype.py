@@ -6,28 +6,12 @@ fixtures would leave too little memory for it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from engine_support import HYBRID, running_llm
+from engine_support import HYBRID, running_llm, state_dtypes
 
 from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
 
 pytestmark = pytest.mark.engine
-
-
-def _state_dtypes(llm: Any) -> set[tuple[str, ...]]:
-    """The dtypes of every GDN layer's (conv, recurrent) state tensors in an in-process engine."""
-
-    def read(model: Any) -> set[tuple[str, ...]]:
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-            QwenGatedDeltaNetAttention,
-        )
-
-        layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
-        return {tuple(str(t.dtype) for t in layer.kv_cache) for layer in layers}
-
-    return set().union(*llm.apply_model(read))
 
 
 @pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
@@ -44,4 +28,4 @@ def test_states_are_kept_in_the_checkpoints_dtype(checkpoint: str) -> None:
         hf_overrides={"mamba_ssm_dtype": checkpoint},
     ) as llm:
         assert llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype == checkpoint
-        assert _state_dtypes(llm) == {("torch.bfloat16", f"torch.{checkpoint}")}
+        assert state_dtypes(llm) == {("bfloat16", checkpoint)}

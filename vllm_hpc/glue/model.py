@@ -277,17 +277,30 @@ def _cache_budget(model: torch.nn.Module, vllm_config: Any) -> int:
     return budget
 
 
-class HybridPrefixQwen3_5ForCausalLM(Qwen3_5ForCausalLM):
+class StatePoolModel:
+    """What both hybrid-prefix Qwen3.5 classes add to vLLM's: the state pool, and no hybrid
+    flag (see the module docstring)."""
+
     is_hybrid = False
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         build_state_pool(self, vllm_config)
 
+    def get_model_state_cls(self) -> type:
+        """The V2 runner's model state: vLLM's own for hybrid models, as for vLLM's Qwen3.5.
+        `is_hybrid = False` would otherwise give the default one, which hands the GDN metadata
+        builder an unpadded `is_prefilling` in a FULL graph step whose request count is padded
+        up to a captured size (three decodes run in the graph for four), and the builder fails.
+        With `mamba_cache_mode` "none" the hybrid state adds no state caching of vLLM's."""
+        from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 
-class HybridPrefixQwen3_5MoeForCausalLM(Qwen3_5MoeForCausalLM):
-    is_hybrid = False
+        return MambaHybridModelState
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        build_state_pool(self, vllm_config)
+
+class HybridPrefixQwen3_5ForCausalLM(StatePoolModel, Qwen3_5ForCausalLM):
+    pass
+
+
+class HybridPrefixQwen3_5MoeForCausalLM(StatePoolModel, Qwen3_5MoeForCausalLM):
+    pass

@@ -167,3 +167,38 @@ def assert_same_up_to_near_tie(out: Any, cold: Any, prompt: Sequence[int], answe
     )[0].outputs[0]
     parting = first_parting(tokens(out), ref.token_ids, top1_margins(ref.logprobs))
     assert parting is None or parting.near_tie, parting.describe()
+
+
+def resume_from_a_tap_an_endpoint_and_the_host(llm: Any, cold: Any, seed: int) -> None:
+    """The resume paths one in-process engine with a host tier must serve exactly, each checked
+    against ``cold`` with the audit after it: a prompt-tail tap with a 28-token tail, the
+    endpoint of a turn (the answer runs 64+ tokens past that tap, so it is kept), and the same
+    tap restored from the host once other conversations pushed it off the device. Prompts are
+    seeded from ``seed`` up, so modules keep their traffic apart."""
+    answer = 96
+    cache = cache_of(llm)
+    prompt = random_prompt(seed=seed, length=1500)
+    first = greedy(llm, [prompt], answer)[0]
+    assert first.num_cached_tokens == 0
+    assert_same_up_to_near_tie(first, cold, prompt, answer)
+    settle_and_audit(llm)
+
+    again = greedy(llm, [prompt], answer)[0]
+    assert again.num_cached_tokens == 1472  # the tail tap at floor64(n - 1), plus a tail
+    assert_same_up_to_near_tie(again, cold, prompt, answer)
+    settle_and_audit(llm)
+
+    turn = prompt + tokens(first) + random_prompt(seed=seed + 1, length=100)
+    following = greedy(llm, [turn], answer)[0]
+    assert following.num_cached_tokens == len(prompt) + answer - 1  # the first turn's endpoint
+    assert_same_up_to_near_tie(following, cold, turn, answer)
+    settle_and_audit(llm)
+
+    for other in range(seed + 10, seed + 14):  # push the prompt's pages off the device
+        greedy(llm, [random_prompt(seed=other, length=1500)], 4)
+    before = cache.admissions.hit_tokens_host
+    restored = greedy(llm, [prompt], answer)[0]
+    assert restored.num_cached_tokens == 1472
+    assert cache.admissions.hit_tokens_host - before == 1472
+    assert_same_up_to_near_tie(restored, cold, prompt, answer)
+    settle_and_audit(llm)

@@ -2,7 +2,9 @@
 (CUDA only; CPU runs `tests/test_compiled.py`).
 
 Every `cudagraph_mode` a user can choose must start (vLLM's V2 warm-up runs made-up requests
-through the GDN layers) and serve exactly. Under FULL_AND_PIECEWISE, one batch sequence mixes
+through the GDN layers) and serve exactly. Under FULL_AND_PIECEWISE the resume paths are checked
+one by one against a cold run (a tap with a tail, an endpoint, a deep edit, a host-only restore,
+sessions resumed together), and then one batch sequence mixes
 decodes, resumed prefills, host restores (one of them a one-token resume, which vLLM replays as
 a FULL decode graph, where no layer wait runs) and aborts; every answer is checked against a
 cold run.
@@ -22,6 +24,7 @@ from engine_support import (
     greedy,
     greedy_params,
     random_prompt,
+    resume_from_a_tap_an_endpoint_and_the_host,
     running_llm,
     settle_and_audit,
     tokens,
@@ -78,20 +81,67 @@ def test_every_cudagraph_mode_starts_and_resumes_exactly(
     mode: str, runner: str, cold: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On vLLM's V2 model runner (what CUDA uses) and on the V1 runner (what vLLM falls back to
-    where V2 lacks a feature; selected here with VLLM_USE_V2_MODEL_RUNNER=0)."""
+    where V2 lacks a feature; selected here with VLLM_USE_V2_MODEL_RUNNER=0). The first turn
+    decodes three requests together: a FULL graph runs them padded to its captured size 4."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "V2" else "0")
     config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
     with running_llm(
         additional_config=config, compilation_config={"cudagraph_mode": mode}, **DEFAULTS
     ) as llm:
-        prompt = random_prompt(seed=1, length=1300)
-        first = greedy(llm, [prompt], ANSWER)[0]
-        turn = prompt + tokens(first) + random_prompt(seed=2, length=65)
+        prompts = [random_prompt(seed=1 + k, length=1300 - 100 * k) for k in range(3)]
+        firsts = greedy(llm, prompts, ANSWER)
+        turn = prompts[0] + tokens(firsts[0]) + random_prompt(seed=9, length=65)
         second = greedy(llm, [turn], ANSWER)[0]
         print(f"{mode} {runner}: second turn cached {second.num_cached_tokens}")
         assert second.num_cached_tokens >= 1024
-        for out, asked in ((first, prompt), (second, turn)):
+        for out, asked in (*zip(firsts, prompts, strict=True), (second, turn)):
             assert_same_up_to_near_tie(out, cold, asked, ANSWER)
+
+
+def test_resume_paths_under_full_and_piecewise_match_cold_runs(graphs: Any, cold: Any) -> None:
+    resume_from_a_tap_an_endpoint_and_the_host(graphs, cold, seed=100)
+
+
+def test_a_client_breakpoint_inside_a_block_under_graphs(graphs: Any, cold: Any) -> None:
+    """The breakpoint becomes a Boundary snapshot with a 24-token tail page."""
+    first = random_prompt(seed=200, length=1000)
+    out = greedy(graphs, [first], ANSWER, breakpoints=[600])[0]
+    assert_same_up_to_near_tie(out, cold, first, ANSWER)
+    edited = first[:700] + random_prompt(seed=201, length=300)
+    resumed = greedy(graphs, [edited], ANSWER)[0]
+    assert resumed.num_cached_tokens == 600
+    assert_same_up_to_near_tie(resumed, cold, edited, ANSWER)
+    settle_and_audit(graphs)
+
+
+def test_a_deep_edit_under_graphs(graphs: Any, cold: Any) -> None:
+    """An edit at 1500 of a 3000-token prompt resumes from a ladder tap below it."""
+    prompt = random_prompt(seed=210, length=3000)
+    out = greedy(graphs, [prompt], ANSWER)[0]
+    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+    edited = prompt[:1500] + random_prompt(seed=211, length=300)
+    resumed = greedy(graphs, [edited], ANSWER)[0]
+    print("deep edit: cached", resumed.num_cached_tokens)
+    assert 512 <= resumed.num_cached_tokens <= 1500
+    assert_same_up_to_near_tie(resumed, cold, edited, ANSWER)
+    settle_and_audit(graphs)
+
+
+def test_sessions_resumed_together_under_graphs(graphs: Any, cold: Any) -> None:
+    """Four conversations' next turns arrive together: each resumes from its own endpoint and
+    they prefill and decode in the same batches (FULL decode graphs once all are decoding)."""
+    answer = 96  # 64+ tokens past the prompt-tail tap: the endpoint is kept
+    firsts = [random_prompt(seed=220 + k, length=500 + 40 * k) for k in range(4)]
+    outs = [greedy(graphs, [p], answer)[0] for p in firsts]
+    turns = [
+        p + tokens(o) + random_prompt(seed=230 + k, length=90)
+        for k, (p, o) in enumerate(zip(firsts, outs, strict=True))
+    ]
+    resumed = greedy(graphs, turns, answer)
+    for first, turn, out in zip(firsts, turns, resumed, strict=True):
+        assert out.num_cached_tokens == len(first) + answer - 1
+        assert_same_up_to_near_tie(out, cold, turn, answer)
+    settle_and_audit(graphs)
 
 
 def _finished(outputs: list[Any]) -> dict[str, Any]:

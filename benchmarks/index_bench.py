@@ -1,6 +1,6 @@
 """Benchmark of the pure-Python prefix index: match latency, host eviction decision, memory.
 
-Targets (issue 3):
+Targets:
   * match() of a 240,000-token prompt (3,750 blocks) against a tree holding it: < 3 ms median;
   * one host eviction decision with 1,000 snapshots: < 1 ms median;
   * memory per tree node: < 1 KiB beyond its 64 tokens.

@@ -29,7 +29,7 @@ TARGETS = [
     ("TTFT p50, mix", "mix", "ttft_p50", "<=", 0.5),
     ("output throughput, mix", "mix", "throughput", ">=", 0.98),
 ]
-"""Issue 6's targets: hybrid-prefix / native in the same run."""
+"""The replay's targets: hybrid-prefix / native in the same run."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """The OpenAI server with `--kv-cache-manager hybrid-prefix`: token-id prompts, cached-token
-reporting, the plugin's Prometheus metrics, a malformed request that must not hurt it, and chat
-requests whose template marks the generation opener and the system block's end (§7.1)."""
+reporting, the plugin's Prometheus metrics, malformed requests that must not hurt it, and chat
+requests whose template marks the generation opener and the system block's end (§7.1). Every
+server here checks the cache's invariants at each engine step."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import subprocess
@@ -18,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_support import random_prompt
 
 from vllm_hpc.exactness import first_parting
+from vllm_hpc.glue.kv_manager import AUDIT_ENV
 from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.engine
@@ -54,8 +58,9 @@ def _running_server(model: Path, log: Path, *extra: str) -> Iterator[str]:
         "hybrid-prefix",
         *extra,
     ]
+    env = {**os.environ, AUDIT_ENV: "1"}  # a broken invariant stops the server's engine
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -264,3 +269,107 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_without_a_tokenizer(
             expected = "body.prompt" if bad < 0 else f"token id {bad} is out of the model's"
             assert expected in json.dumps(body)
         assert len(_complete(base, random_prompt(seed=5, length=100), 4)["choices"]) == 1
+
+
+def _post_raw(base: str, data: bytes) -> tuple[int, str]:
+    request = urllib.request.Request(
+        f"{base}/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+EXPECTED = {
+    "prompt": ("prompt", "token id"),
+    "max_model_len": ("context length",),
+    "max_tokens": ("max_tokens",),
+    "n": ("n must",),
+    "temperature": ("temperature",),
+    "top_p": ("top_p",),
+    "logprobs": ("logprobs",),
+    "vllm_xargs": ("vllm_xargs",),
+    "cache_breakpoints": ("cache_breakpoints",),
+    "json": ("body",),
+}
+"""What the answer to a malformed request of each kind must name (vLLM's messages, and the
+plugin's for its own fields)."""
+
+
+def _hostile_bodies(model: str, seed: int) -> list[tuple[str, bytes]]:
+    """Malformed completion requests in a seeded order, each with the kind of its fault."""
+    rng = random.Random(seed)
+    vocab = DEFAULT_RECIPE.vocab_size
+
+    def ok_prompt() -> list[int]:
+        return random_prompt(seed=rng.randrange(10**6), length=rng.randrange(2, 200))
+
+    def body(kind: str, **changes: Any) -> tuple[str, bytes]:
+        request = {"model": model, "prompt": ok_prompt(), "max_tokens": 4, **changes}
+        return kind, json.dumps(request).encode()
+
+    cases = [
+        body("prompt", prompt=[]),
+        body("prompt", prompt=[1, -rng.randrange(1, 10**9), 3]),
+        body("prompt", prompt=[1, vocab + rng.randrange(10**9), 3]),
+        body("prompt", prompt=[1, 2.5, 3]),
+        body("prompt", prompt=[1, "x", 3]),
+        body("prompt", prompt={"ids": [1, 2]}),
+        body("prompt", prompt=[[1, 2], [3, -4]]),
+        body("prompt", prompt=None),
+        body("max_model_len", prompt=random_prompt(seed=7, length=5000)),
+        body("max_tokens", max_tokens=10**12),
+        body("max_tokens", max_tokens=-3),
+        body("max_tokens", max_tokens="many"),
+        body("n", n=10**6),
+        body("n", n=0),
+        body("n", n=-1),
+        body("temperature", temperature=-1),
+        body("top_p", top_p=7),
+        body("logprobs", logprobs=10**6),
+        body("vllm_xargs", vllm_xargs="cache_breakpoints"),
+        body("vllm_xargs", vllm_xargs=[1, 2]),
+        body("vllm_xargs", vllm_xargs=17),
+    ]
+    if not torch.cuda.is_available():  # vLLM's CPU kernel: see vllm_hpc/glue/token_ids.py
+        cases.append(body("prompt", prompt=[rng.randrange(vocab)]))
+    for wrong in ("soon", 5, [1.5], [-1], [0], [[64]], {"at": 64}, [64] * 100, None):
+        cases.append(body("cache_breakpoints", vllm_xargs={"cache_breakpoints": wrong}))
+    cases += [
+        ("json", b'{"model": "x", "prompt": [1, 2'),
+        ("json", b"\xff\xfe\x00garbage"),
+        ("json", b""),
+        ("json", b"[]"),
+    ]
+    rng.shuffle(cases)
+    return cases
+
+
+def test_hostile_requests_are_client_errors_and_the_cache_stays_exact(server: str) -> None:
+    """Malformed bodies, each answered 400 naming what is wrong, between the turns of a
+    conversation whose next turn still resumes from its endpoint exactly. The server's engine
+    checks the cache's invariants at every step (`VLLM_HPC_AUDIT_EVERY_STEP`)."""
+    model = _model(server)
+    prompt = random_prompt(seed=8, length=900)
+    first = _complete(server, prompt, 80)
+    for kind, data in _hostile_bodies(model, seed=1):
+        status, text = _post_raw(server, data)
+        assert status == 400, (kind, status, text[:500])
+        assert any(word in text.lower() for word in EXPECTED[kind]), (kind, text[:500])
+    # A breakpoint at position 1 is served (ignored: it would save one token).
+    edge = _post(
+        server,
+        {
+            "model": model,
+            "prompt": prompt[:50],
+            "max_tokens": 2,
+            "vllm_xargs": {"cache_breakpoints": [1]},
+        },
+    )
+    assert edge[0] == 200, edge
+    turn = prompt + first["choices"][0]["token_ids"] + random_prompt(seed=9, length=60)
+    second = _complete(server, turn, 8)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 80 - 1
+    _assert_matches_cold(server, {**second, "prompt_token_ids": turn})

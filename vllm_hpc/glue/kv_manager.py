@@ -13,6 +13,7 @@ offloads, external-load bookkeeping) answers "nothing".
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +39,11 @@ from vllm_hpc.runtime.plan import StepPlan
 from vllm_hpc.runtime.sequence import Sequence
 
 logger = logging.getLogger("vllm.vllm_hpc")
+
+AUDIT_ENV = "VLLM_HPC_AUDIT_EVERY_STEP"
+"""Test-only: "1" checks the cache's invariants and accounting at the start of every step, so
+that tests of a whole server (whose cache they cannot reach) see a broken invariant as a dead
+engine. Off, it costs one test per step."""
 
 
 @dataclass
@@ -105,6 +111,7 @@ class HybridPrefixKVCacheManager:
         the scheduler fails them."""
         self._worker_plan = StepPlan()
         self._chat_markers = chat_markers(vllm_config.model_config)
+        self._audit_every_step = os.environ.get(AUDIT_ENV) == "1"
         self._template_hints: dict[str, tuple[TapHint, ...]] = {}
         """Each request's hints, computed once (they scan the prompt) and dropped in `free`."""
         logger.info(
@@ -129,6 +136,8 @@ class HybridPrefixKVCacheManager:
     # -- per step ---------------------------------------------------------------------------
 
     def new_step_starts(self) -> None:
+        if self._audit_every_step:
+            self.cache.audit()
         self.cache.new_step()
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:

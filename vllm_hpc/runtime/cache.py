@@ -262,7 +262,9 @@ class HybridPrefixCache:
                 f"{BLOCK_TOKENS} tokens; the device pool has {self.config.index.device_pages}"
             )
         frontier = quote.source.frontier if quote.source is not None else 0
-        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints]
+        # A breakpoint at 1 would save one token and end a one-token first chunk, which vLLM's
+        # CPU GDN kernel cannot prefill (it stops the engine): it is ignored.
+        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints if p > 1]
         hints.extend(request.template_hints)
         # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
         # lets the next request sharing this prefix resume there.

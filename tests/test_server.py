@@ -6,107 +6,34 @@ server here checks the cache's invariants at each engine step."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from engine_support import random_prompt
+from openai_server import metrics, model_id, post, post_raw, running_server, sample
 
 from vllm_hpc.exactness import first_parting
-from vllm_hpc.glue.kv_manager import AUDIT_ENV
 from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _running_server(model: Path, log: Path, *extra: str) -> Iterator[str]:
-    """An OpenAI server with hybrid-prefix on ``model``; yields its base URL."""
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "4096",
-        "--enable-prompt-tokens-details",
-        "--kv-cache-manager",
-        "hybrid-prefix",
-        *extra,
-    ]
-    env = {**os.environ, AUDIT_ENV: "1"}  # a broken invariant stops the server's engine
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"server exited:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
-        yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with _running_server(tiny_model_dir, log, "--gpu-memory-utilization", "0.2") as base:
+    with running_server(tiny_model_dir, log, "--gpu-memory-utilization", "0.2") as (base, _):
         yield base
 
 
-def _post(
-    base: str, body: dict[str, Any], endpoint: str = "completions"
-) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        f"{base}/v1/{endpoint}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
-
-
 def _complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    status, body = _post(
+    status, body = post(
         base,
         {
-            "model": _model(base),
+            "model": model_id(base),
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -116,11 +43,6 @@ def _complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     )
     assert status == 200, body
     return body
-
-
-def _model(base: str) -> str:
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
-        return str(json.loads(response.read())["data"][0]["id"])
 
 
 def test_next_turn_reports_its_endpoint_as_cached(server: str) -> None:
@@ -134,30 +56,22 @@ def test_next_turn_reports_its_endpoint_as_cached(server: str) -> None:
 
 
 def test_plugin_metrics_are_exported(server: str) -> None:
-    with urllib.request.urlopen(f"{server}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    assert _sample(text, "vllm:hpc_hit_tokens_total") > 0
+    text = metrics(server)
+    assert sample(text, "vllm:hpc_hit_tokens_total") > 0
     assert "vllm:hpc_snapshots_published_total" in text
     assert "vllm:hpc_snapshots{" in text
     # The first turn's blocks and endpoint were written through to the host tier, timed by the
     # worker: the bytes and seconds give the bandwidth, also reported as a gauge.
-    assert _sample(text, "vllm:hpc_host_bytes_total{", 'what="written"') > 0
-    assert _sample(text, "vllm:hpc_host_transfer_seconds_total{", 'what="written"') > 0
-    assert _sample(text, "vllm:hpc_host_write_bytes_per_second{") > 0
-
-
-def _sample(text: str, prefix: str, label: str = "") -> float:
-    """The value of the first Prometheus sample whose line starts with ``prefix`` and names
-    ``label``."""
-    line = next(x for x in text.splitlines() if x.startswith(prefix) and label in x)
-    return float(line.rsplit(" ", 1)[1])
+    assert sample(text, "vllm:hpc_host_bytes_total{", 'what="written"') > 0
+    assert sample(text, "vllm:hpc_host_transfer_seconds_total{", 'what="written"') > 0
+    assert sample(text, "vllm:hpc_host_write_bytes_per_second{") > 0
 
 
 def test_malformed_cache_hint_is_a_client_error(server: str) -> None:
-    status, body = _post(
+    status, body = post(
         server,
         {
-            "model": _model(server),
+            "model": model_id(server),
             "prompt": random_prompt(seed=3, length=100),
             "max_tokens": 4,
             "vllm_xargs": {"cache_breakpoints": ["soon"]},
@@ -175,10 +89,10 @@ def _text(seed: int, words: int) -> str:
 
 
 def _chat(base: str, messages: list[dict[str, str]], max_tokens: int = 16) -> dict[str, Any]:
-    status, body = _post(
+    status, body = post(
         base,
         {
-            "model": _model(base),
+            "model": model_id(base),
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -195,10 +109,10 @@ def _assert_matches_cold(base: str, reply: dict[str, Any]) -> None:
     """The greedy tokens equal a cold run of the same prompt ids (a fresh cache salt misses
     every entry), except at a near-tie of the cold run (`vllm_hpc.exactness`)."""
     answer = reply["choices"][0]["token_ids"]
-    status, cold = _post(
+    status, cold = post(
         base,
         {
-            "model": _model(base),
+            "model": model_id(base),
             "prompt": reply["prompt_token_ids"],
             "max_tokens": len(answer),
             "temperature": 0,
@@ -261,25 +175,14 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_without_a_tokenizer(
     """vLLM checks token ids only against a tokenizer; without one, an id beyond the
     vocabulary killed the engine core. The plugin refuses it, and the server keeps serving."""
     extra = ("--gpu-memory-utilization", "0.1", "--skip-tokenizer-init")
-    with _running_server(tiny_model_dir, tmp_path / "server.log", *extra) as base:
+    with running_server(tiny_model_dir, tmp_path / "server.log", *extra) as (base, _):
         for bad in (1_000_000_000, DEFAULT_RECIPE.vocab_size, -1):
-            status, body = _post(base, {"model": _model(base), "prompt": [1, bad, 3]})
+            status, body = post(base, {"model": model_id(base), "prompt": [1, bad, 3]})
             assert status == 400, body
             # A negative id is already refused by vLLM's request schema, naming the field.
             expected = "body.prompt" if bad < 0 else f"token id {bad} is out of the model's"
             assert expected in json.dumps(body)
         assert len(_complete(base, random_prompt(seed=5, length=100), 4)["choices"]) == 1
-
-
-def _post_raw(base: str, data: bytes) -> tuple[int, str]:
-    request = urllib.request.Request(
-        f"{base}/v1/completions", data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read().decode(errors="replace")
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode(errors="replace")
 
 
 EXPECTED = {
@@ -351,15 +254,15 @@ def test_hostile_requests_are_client_errors_and_the_cache_stays_exact(server: st
     """Malformed bodies, each answered 400 naming what is wrong, between the turns of a
     conversation whose next turn still resumes from its endpoint exactly. The server's engine
     checks the cache's invariants at every step (`VLLM_HPC_AUDIT_EVERY_STEP`)."""
-    model = _model(server)
+    model = model_id(server)
     prompt = random_prompt(seed=8, length=900)
     first = _complete(server, prompt, 80)
     for kind, data in _hostile_bodies(model, seed=1):
-        status, text = _post_raw(server, data)
+        status, text = post_raw(server, data)
         assert status == 400, (kind, status, text[:500])
         assert any(word in text.lower() for word in EXPECTED[kind]), (kind, text[:500])
     # A breakpoint at position 1 is served (ignored: it would save one token).
-    edge = _post(
+    edge = post(
         server,
         {
             "model": model,

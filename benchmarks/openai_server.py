@@ -1,0 +1,115 @@
+"""A vLLM OpenAI server with hybrid-prefix in a child process, and plain-HTTP calls to it.
+
+Used by the server tests (`tests/test_server.py`) and the soak (`benchmarks/soak.py`). The
+server audits the cache's invariants at every engine step (`VLLM_HPC_AUDIT_EVERY_STEP`), so a
+broken invariant shows as a dead engine: every later request answers 500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from vllm_hpc.glue.kv_manager import AUDIT_ENV
+
+START_TIMEOUT_S = 300
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not start; the message ends with its log's tail."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_server(model: Path, log: Path, *extra: str) -> Iterator[tuple[str, int]]:
+    """An OpenAI server with hybrid-prefix on ``model`` (eager, 4096-token context unless
+    ``extra`` says otherwise); yields its base URL and process id."""
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "4096",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-manager",
+        "hybrid-prefix",
+        *extra,
+    ]
+    env = {**os.environ, AUDIT_ENV: "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + START_TIMEOUT_S
+        while time.time() < deadline:
+            if process.poll() is not None:
+                raise ServerError(f"server exited:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise ServerError(f"server did not start:\n{log.read_text()[-3000:]}")
+        yield base, process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def post_raw(base: str, data: bytes, endpoint: str = "completions") -> tuple[int, str]:
+    """POST ``data`` as it is; the status and the body's text."""
+    request = urllib.request.Request(
+        f"{base}/v1/{endpoint}", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def post(base: str, body: dict[str, Any], endpoint: str = "completions") -> tuple[int, Any]:
+    """POST ``body`` as JSON; the status and the decoded answer."""
+    status, text = post_raw(base, json.dumps(body).encode(), endpoint)
+    return status, json.loads(text or "{}")
+
+
+def model_id(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+        return str(json.loads(response.read())["data"][0]["id"])
+
+
+def metrics(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def sample(text: str, prefix: str, label: str = "") -> float:
+    """The value of the first Prometheus sample whose line starts with ``prefix`` and names
+    ``label``."""
+    line = next(x for x in text.splitlines() if x.startswith(prefix) and label in x)
+    return float(line.rsplit(" ", 1)[1])

@@ -21,11 +21,17 @@ from vllm_hpc.glue.host_layout import DeviceLayout
 from vllm_hpc.glue.metrics import TransferMeter
 from vllm_hpc.glue.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, HostSlabPool
+from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 NUM_PAGES = 12
 ATTENTION = ["model.layers.3.self_attn.attn", "model.layers.7.self_attn.attn"]
 GDN = [f"model.layers.{i}.linear_attn" for i in (0, 1, 2, 4, 5, 6)]
 KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+
+
+def _pairs(pages: list[int], slabs: list[int]) -> list[PageSlab]:
+    """Page i with slab i, in either direction."""
+    return [PageSlab(page, slab) for page, slab in zip(pages, slabs, strict=True)]
 
 
 def _kv_caches(
@@ -81,9 +87,9 @@ def test_blocks_round_trip_bit_exact(dtype: torch.dtype, layout: KVCacheLayout) 
     arena = HostArena(device, SlabGrid(device.geometry, 40, 16))
     pages, slabs, targets = [1, 2, 3, 7], [20, 21, 22, 5], [8, 9, 10, 0]
     before = {name: kv[name].clone() for name in ATTENTION}
-    handle = arena.write(blocks=list(zip(pages, slabs, strict=True)))
+    handle = arena.write(blocks=_pairs(pages, slabs))
     assert handle.done()
-    restore = arena.restore(blocks=list(zip(slabs, targets, strict=True)))
+    restore = arena.restore(blocks=_pairs(targets, slabs))
     restore.wait_prelude()
     restore.wait_layer(ATTENTION[0])
     restore.wait_all()
@@ -99,7 +105,7 @@ def test_block_record_is_layer_major_in_forward_order() -> None:
     kv = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
     device = DeviceLayout.bind(kv, NUM_PAGES, _state_pool())
     arena = HostArena(device, SlabGrid(device.geometry, 40, 16))
-    arena.write(blocks=[(4, 9)])
+    arena.write(blocks=[PageSlab(4, 9)])
     page_bytes = device.block_bytes // len(ATTENTION)
     record = arena.chunks[0][9 * device.geometry.slab_bytes :][: device.block_bytes]
     assert torch.equal(record[:page_bytes], _page_bytes(kv[ATTENTION[0]], 4))
@@ -124,15 +130,15 @@ def test_runs_coalesce_into_one_copy_per_plane(
     pages: list[int], slabs: list[int], runs: int
 ) -> None:
     arena = _arena(slabs_per_chunk=8)
-    arena.write(blocks=list(zip(pages, slabs, strict=True)))
+    arena.write(blocks=_pairs(pages, slabs))
     assert arena.stats.copies == runs * len(ATTENTION)
-    arena.restore(blocks=list(zip(slabs, pages, strict=True)))
+    arena.restore(blocks=_pairs(pages, slabs))
     assert arena.stats.copies == 2 * runs * len(ATTENTION)
 
 
 def test_head_outer_layouts_copy_one_plane_per_head() -> None:
     arena = _arena(layout=KVCacheLayout.LHBNC)
-    arena.write(blocks=[(0, 0), (1, 1)])
+    arena.write(blocks=[PageSlab(0, 0), PageSlab(1, 1)])
     assert arena.stats.copies == len(ATTENTION) * 2  # two heads, one run
 
 
@@ -144,8 +150,8 @@ def test_kernel_block_views_are_regrouped_into_pages() -> None:
     whole = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC)
     assert device.block_bytes == DeviceLayout.bind(whole, NUM_PAGES, _state_pool()).block_bytes
     before = kv[ATTENTION[1]][8:12].clone()
-    arena.write(blocks=[(2, 3)])
-    arena.restore(blocks=[(3, 5)])
+    arena.write(blocks=[PageSlab(2, 3)])
+    arena.restore(blocks=[PageSlab(5, 3)])
     assert torch.equal(kv[ATTENTION[1]][20:24].view(torch.uint8), before.view(torch.uint8))
 
 
@@ -162,7 +168,7 @@ def test_image_round_trip_over_scattered_slabs(slabs_per_chunk: int) -> None:
     count = device.geometry.image_slabs
     assert count > 3
     slabs = [(7 * i + 3) % 40 for i in range(count)]  # scattered over chunks
-    arena.write(images=[(4, slabs)])
+    arena.write(images=[ImageCopy(4, tuple(slabs))])
     # the packed image: byte o in slab o // slab_bytes, layers in forward order
     slab_bytes = device.geometry.slab_bytes
     packed = torch.cat(
@@ -172,7 +178,7 @@ def test_image_round_trip_over_scattered_slabs(slabs_per_chunk: int) -> None:
         ]
     )
     assert torch.equal(packed[: device.image_bytes], torch.cat(_slot_bytes(pool, 4)))
-    arena.restore(image=(slabs, 1))
+    arena.restore(image=ImageCopy(1, tuple(slabs)))
     assert all(
         torch.equal(a, b) for a, b in zip(_slot_bytes(pool, 1), _slot_bytes(pool, 4), strict=True)
     )
@@ -182,8 +188,8 @@ def test_image_round_trip_over_scattered_slabs(slabs_per_chunk: int) -> None:
 def test_consecutive_image_slabs_merge_copies() -> None:
     scattered, consecutive = _arena(), _arena()
     count = scattered.layout.geometry.image_slabs
-    scattered.write(images=[(4, list(range(2 * count, 0, -2)))])
-    consecutive.write(images=[(4, list(range(count)))])
+    scattered.write(images=[ImageCopy(4, tuple(range(2 * count, 0, -2)))])
+    consecutive.write(images=[ImageCopy(4, tuple(range(count)))])
     planes = sum(len(layer.planes) for layer in consecutive.layout.layers if layer.is_state)
     assert consecutive.stats.copies == planes
     assert scattered.stats.copies > planes
@@ -194,7 +200,7 @@ def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.M
     count = arena.layout.geometry.image_slabs
     image = list(range(10, 10 + count))
     kv = {layer.name: layer for layer in arena.layout.layers}
-    arena.write(blocks=[(1, 0), (2, 1), (3, 2)], images=[(4, image)])
+    arena.write(blocks=_pairs([1, 2, 3], [0, 1, 2]), images=[ImageCopy(4, tuple(image))])
     issued: list[tuple[str | None, int]] = []
     issue = arena._issue
 
@@ -203,7 +209,9 @@ def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.M
         return issue(steps, stream_index, events_per_step)
 
     monkeypatch.setattr(arena, "_issue", spy)
-    arena.restore(blocks=[(0, 5), (1, 6)], tail=(2, 9), image=(image, 2))
+    arena.restore(
+        blocks=_pairs([5, 6], [0, 1]), tail=PageSlab(9, 2), image=ImageCopy(2, tuple(image))
+    )
     assert issued[0] == (None, len(ATTENTION))  # the tail's page, every attention layer
     assert [name for name, _ in issued[1:]] == [layer.name for layer in arena.layout.layers]
     assert all(n > 0 for _, n in issued)
@@ -257,8 +265,8 @@ def test_allocation_failure_names_the_option(monkeypatch: pytest.MonkeyPatch) ->
 def test_transfer_meter_reports_landed_copies_as_seconds_and_bandwidth() -> None:
     arena = _arena(torch.bfloat16)
     meter = TransferMeter()
-    meter.track("write", arena.write(blocks=[(1, 20), (2, 21)]))
-    meter.track("restore", arena.restore(blocks=[(20, 8)]))
+    meter.track("write", arena.write(blocks=_pairs([1, 2], [20, 21])))
+    meter.track("restore", arena.restore(blocks=[PageSlab(8, 20)]))
     stats = meter.read()
     assert stats is not None
     block = arena.layout.block_bytes

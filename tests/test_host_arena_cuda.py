@@ -12,6 +12,7 @@ import torch
 from vllm_hpc.glue.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.host_layout import DeviceLayout
 from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,16 +69,13 @@ def test_round_trip_bit_exact_on_streams(dtype: torch.dtype, block_outer: bool) 
     image = list(range(95, 95 - arena.grid.geometry.image_slabs, -1))
     before = {name: _bytes(kv[name][:20]) for name in ATTENTION}
     state = [_bytes(t[5]) for name in GDN for t in pool.layer(name)]
-    write = arena.write(blocks=list(zip(pages, slabs, strict=True)), images=[(5, image)])
+    blocks = [PageSlab(page, slab) for page, slab in zip(pages, slabs, strict=True)]
+    write = arena.write(blocks=blocks, images=[ImageCopy(5, tuple(image))])
     write.synchronize()
     assert write.done()
     for name in ATTENTION:
         kv[name][:20].view(torch.uint8).zero_()
-    restore = arena.restore(
-        blocks=list(zip(slabs[1:], pages[1:], strict=True)),
-        tail=(slabs[0], pages[0]),
-        image=(image, 2),
-    )
+    restore = arena.restore(blocks=blocks[1:], tail=blocks[0], image=ImageCopy(2, tuple(image)))
     restore.wait_prelude()
     for layer in arena.layout.layers:
         restore.wait_layer(layer.name)
@@ -96,12 +94,12 @@ def test_layer_wait_orders_compute_after_its_copies() -> None:
     """A kernel queued on the compute stream after `wait_layer` reads the restored bytes."""
     kv, pool = _kv(torch.bfloat16, False), _pool()
     arena = _arena(kv, pool)
-    pairs = [(page, page) for page in range(PAGES // 2, PAGES)]
+    pairs = [PageSlab(page, page) for page in range(PAGES // 2, PAGES)]
     expected = {name: kv[name][PAGES // 2 :].clone() for name in ATTENTION}
     arena.write(blocks=pairs).synchronize()
     for name in ATTENTION:
         kv[name].zero_()
-    restore = arena.restore(blocks=[(slab, page) for page, slab in pairs])
+    restore = arena.restore(blocks=pairs)
     seen = {}
     for layer in arena.layout.layers:
         restore.wait_layer(layer.name)

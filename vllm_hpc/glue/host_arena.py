@@ -28,6 +28,7 @@ from vllm_hpc.glue.cudart import CudaRuntime
 from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.options import check_host_budget
+from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,12 +220,10 @@ class HostArena:
     # -- batches ----------------------------------------------------------------------------
 
     def write(
-        self,
-        blocks: Sequence[tuple[int, int]] = (),
-        images: Sequence[tuple[int, Sequence[int]]] = (),
+        self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
     ) -> TransferHandle:
-        """Write-through, device -> host, in one batch: ``blocks`` are (page, slab) pairs (a
-        snapshot's tail page is one of them), ``images`` (state slot, image slabs) pairs."""
+        """Write-through, device -> host, in one batch (a snapshot's tail page is one of the
+        ``blocks``)."""
         steps = self._layer_steps(self._runs(blocks), images, to_host=True)
         nbytes = _bytes(steps)
         self.stats.write_batches += 1
@@ -234,19 +233,19 @@ class HostArena:
 
     def restore(
         self,
-        blocks: Sequence[tuple[int, int]] = (),
-        tail: tuple[int, int] | None = None,
-        image: tuple[Sequence[int], int] | None = None,
+        blocks: Sequence[PageSlab] = (),
+        tail: PageSlab | None = None,
+        image: ImageCopy | None = None,
     ) -> RestoreHandle:
-        """Restore, host -> device, in forward-pass order: ``blocks`` are (slab, page) pairs,
-        ``tail`` one (slab, page) pair landing in the prelude, ``image`` (image slabs, slot)."""
-        runs = self._runs([(page, slab) for slab, page in blocks])
+        """Restore, host -> device, in forward-pass order; ``tail`` lands in the prelude,
+        before the first layer's step."""
+        runs = self._runs(blocks)
         prelude = _Step(None)
-        for page, slab, _ in self._runs([(tail[1], tail[0])] if tail is not None else []):
+        for page, slab, _ in self._runs([tail] if tail is not None else []):
             for layer in self.layout.layers:
                 if not layer.is_state:
                     prelude.copies += self._block_copies(layer, page, slab, 1, to_host=False)
-        images = [(image[1], image[0])] if image is not None else []
+        images = [image] if image is not None else []
         steps = [prelude, *self._layer_steps(runs, images, to_host=False)]
         nbytes = _bytes(steps)
         self.stats.restore_batches += 1
@@ -264,28 +263,28 @@ class HostArena:
     def _layer_steps(
         self,
         runs: list[tuple[int, int, int]],
-        images: Sequence[tuple[int, Sequence[int]]],
+        images: Sequence[ImageCopy],
         to_host: bool,
     ) -> list[_Step]:
         """One step per layer in forward order: the block runs of an attention layer, the
-        (state slot, image slabs) images of a GDN layer."""
+        images of a GDN layer."""
         steps = []
         for layer in self.layout.layers:
             step = _Step(layer.name)
             if layer.is_state:
-                for slot, slabs in images:
-                    step.copies += self._image_copies(layer, slot, slabs, to_host)
+                for image in images:
+                    step.copies += self._image_copies(layer, image.slot, image.slabs, to_host)
             else:
                 for page, slab, count in runs:
                     step.copies += self._block_copies(layer, page, slab, count, to_host)
             steps.append(step)
         return steps
 
-    def _runs(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    def _runs(self, blocks: Sequence[PageSlab]) -> list[tuple[int, int, int]]:
         """(first page, first slab, count) runs of consecutive pages on consecutive slabs of
-        one chunk, from (page, slab) pairs."""
+        one chunk."""
         runs: list[tuple[int, int, int]] = []
-        for page, slab in sorted(pairs):
+        for page, slab in sorted((block.page, block.slab) for block in blocks):
             if not 0 <= slab < self.grid.capacity or not 0 <= page < self.layout.num_pages:
                 raise IndexError(f"page {page} or slab {slab} out of range")
             if runs and self._coalesce:

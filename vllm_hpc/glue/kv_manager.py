@@ -35,8 +35,8 @@ from vllm_hpc.runtime.cache import (
     RequestInfo,
     RuntimeConfig,
 )
+from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.plan import StepPlan
-from vllm_hpc.runtime.sequence import Sequence
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -104,7 +104,7 @@ class HybridPrefixKVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.coordinator = _NoCoordinator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
-        self.sequences: dict[str, Sequence] = {}
+        self.lanes: dict[str, Lane] = {}
         self._lookups: dict[str, Lookup] = {}
         self.unservable: dict[str, str] = {}
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
@@ -184,9 +184,9 @@ class HybridPrefixKVCacheManager:
     def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
         """The chunk [start, start + n) shortened to end at the request's next exact tap (or
         on a block boundary: `HybridPrefixCache.chunk_limit`)."""
-        seq = self.sequences.get(request.request_id)
+        lane = self.lanes.get(request.request_id)
         lookup = self._lookups.get(request.request_id)
-        taps = seq.taps if seq is not None else lookup.taps if lookup is not None else []
+        taps = lane.taps if lane is not None else lookup.taps if lookup is not None else []
         return self.cache.chunk_limit(taps, start, num_new_tokens, request.num_prompt_tokens)
 
     def allocate_slots(
@@ -201,8 +201,8 @@ class HybridPrefixKVCacheManager:
         """Pages (and, for a new request, the source and a state slot) for the next chunk;
         None when there is no room now. Returns the newly allocated pages only."""
         rid = request.request_id
-        seq = self.sequences.get(rid)
-        if seq is None:
+        lane = self.lanes.get(rid)
+        if lane is None:
             if rid in self.unservable:
                 return None
             lookup = self._lookups.pop(rid, None)
@@ -215,37 +215,37 @@ class HybridPrefixKVCacheManager:
                 )
                 return None
             assert lookup.frontier == num_new_computed_tokens, "vLLM changed the cached tokens"
-            seq = self.cache.admit(
+            lane = self.cache.admit(
                 request_info(request, self._hints(request)),
                 lookup,
                 num_new_tokens,
                 num_lookahead_tokens,
             )
-            if seq is None:
+            if lane is None:
                 self.cache.prefetch(lookup)  # vLLM keeps the head waiting: use the wait
                 return None
-            self.sequences[rid] = seq
-            self._schedule(seq, request, seq.base, num_new_tokens)
+            self.lanes[rid] = lane
+            self._schedule(lane, request, lane.base, num_new_tokens)
             return self.get_blocks(rid)
         start = request.num_computed_tokens
         end = min(start + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        pages = self.cache.grow(seq, end)
+        pages = self.cache.grow(lane, end)
         if pages is None:
             return None
-        self._schedule(seq, request, start, num_new_tokens)
+        self._schedule(lane, request, start, num_new_tokens)
         return self._blocks(pages, None)
 
-    def _schedule(self, seq: Sequence, request: Any, start: int, num_new_tokens: int) -> None:
+    def _schedule(self, lane: Lane, request: Any, start: int, num_new_tokens: int) -> None:
         if num_new_tokens:
-            self.cache.on_scheduled(seq, request.all_token_ids, start, start + num_new_tokens)
+            self.cache.on_scheduled(lane, request.all_token_ids, start, start + num_new_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's pages and state slot; none for a request never admitted (vLLM asks
         for them when it aborts a waiting request, too)."""
-        seq = self.sequences.get(request_id)
-        if seq is None:
+        lane = self.lanes.get(request_id)
+        if lane is None:
             return self.empty_kv_cache_blocks
-        return self._blocks(seq.pages, seq.slot)
+        return self._blocks(lane.pages, lane.slot)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
@@ -267,9 +267,9 @@ class HybridPrefixKVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Tokens [0, n) of the request are in KV and state: commit blocks, publish taps."""
-        seq = self.sequences.get(request.request_id)
-        if seq is not None:
-            self.cache.commit(seq, request.all_token_ids, num_computed_tokens)
+        lane = self.lanes.get(request.request_id)
+        if lane is not None:
+            self.cache.commit(lane, request.all_token_ids, num_computed_tokens)
 
     def free(self, request: Any) -> None:
         """The request finished, was aborted or preempted: endpoint snapshot and release."""
@@ -278,9 +278,9 @@ class HybridPrefixKVCacheManager:
         self._template_hints.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
-        seq = self.sequences.pop(rid, None)
-        if seq is not None:
-            self.cache.finish(seq, request.all_token_ids, request.num_computed_tokens)
+        lane = self.lanes.pop(rid, None)
+        if lane is not None:
+            self.cache.finish(lane, request.all_token_ids, request.num_computed_tokens)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []

@@ -5,12 +5,12 @@ The scheduler calls it in this order each step::
     new_step()                                   # land last step's restores, publish captures
     lookup(request) -> Lookup                    # waiting request: source and taps (read-only)
     chunk_limit(...)                             # a prefill chunk ends at the next exact tap
-    admit(request, lookup, ...) / grow(seq, ...) # pages and state slot, or None: no room now
-    on_scheduled(seq, start, end)                # plan the taps this chunk reaches
+    admit(request, lookup, ...) / grow(lane, ...) # pages and state slot, or None: no room now
+    on_scheduled(lane, start, end)                # plan the taps this chunk reaches
     take_plan() -> StepPlan                      # the copies the workers run before the step
     ... the step runs ...
-    commit(seq, tokens, n)                       # full blocks join the tree, taps publish
-    finish(seq, tokens, n)                       # endpoint snapshot, release
+    commit(lane, tokens, n)                       # full blocks join the tree, taps publish
+    finish(lane, tokens, n)                       # endpoint snapshot, release
 
 Timing rules that keep copies exact (every copy of a plan runs before the step's forward pass,
 in order):
@@ -35,7 +35,7 @@ pass reads each layer, so it completes at the next step, like a device restore.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_hpc.index import (
@@ -62,15 +62,17 @@ from vllm_hpc.index import (
 )
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
+from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.plan import (
     HostRestore,
     HostWrite,
+    ImageCopy,
     InPassCapture,
     PageCopy,
+    PageSlab,
     StateCopy,
     StepPlan,
 )
-from vllm_hpc.runtime.sequence import Capture, Sequence
 from vllm_hpc.runtime.telemetry import (
     ADMISSION_COUNTERS,
     HOST_COUNTERS,
@@ -104,7 +106,7 @@ class RequestInfo:
     """What the runtime needs of a request."""
 
     request_id: str
-    token_ids: Seq[int]
+    token_ids: Sequence[int]
     """All tokens so far: the prompt, then generated tokens."""
     num_prompt_tokens: int
     cache_salt: str | None = None
@@ -124,7 +126,7 @@ class Lookup:
     """Tokens served from the cache: the request prefills [frontier, n)."""
     taps: list[PlannedTap]
     prompt: PreparedPrompt | None = None
-    sibling: Sequence | None = None
+    sibling: Lane | None = None
     """A running request that is prefilling more of this prompt than the cache serves now: the
     request waits for its snapshot instead of prefilling the same tokens (§12.2)."""
     read_cache: bool = True
@@ -140,7 +142,7 @@ class HybridPrefixCache:
         self.planner = TapPlanner(config.tap_policy)
         self._free_slots = list(range(config.active_slots, 0, -1))
         self._plan = StepPlan()
-        self._deferred: list[tuple[Sequence, Capture]] = []
+        self._deferred: list[tuple[Lane, Capture]] = []
         """Captures of the state after the step being planned: their copies join the next plan."""
         self._plans_taken = 0
         self._landing: list[Restore] = []
@@ -148,10 +150,10 @@ class HybridPrefixCache:
         self._prefetching: list[Prefetch] = []
         """Prefetches whose copies are in a plan already handed out; complete at the next step."""
         self._quarantine: list[tuple[int, list[PageId]]] = []
-        self._retiring: list[Sequence] = []
-        """Finished sequences waiting for their captures to publish before they release."""
+        self._retiring: list[Lane] = []
+        """Finished lanes waiting for their captures to publish before they release."""
         self._new_pages: list[PageId] = []
-        self._live: set[Sequence] = set()
+        self._live: set[Lane] = set()
         self._prepared: dict[str, PreparedPrompt] = {}
         self._write_batch: list[BlockWrite | SnapshotWrite] = []
         """Write-through planned for the plan being built."""
@@ -185,14 +187,14 @@ class HybridPrefixCache:
             else:
                 keep.append((taken_at, pages))
         self._quarantine = keep
-        for seq, capture in self._deferred:
-            self._queue(seq, capture)
+        for lane, capture in self._deferred:
+            self._queue(lane, capture)
         self._deferred.clear()
-        for seq in list(self._retiring):
-            self._publish_ready(seq)
-            if not seq.captures:
-                self._retiring.remove(seq)
-                self._release(seq)
+        for lane in list(self._retiring):
+            self._publish_ready(lane)
+            if not lane.captures:
+                self._retiring.remove(lane)
+                self._release(lane)
 
     def take_plan(self) -> StepPlan:
         """The copies the workers run before this step's forward pass."""
@@ -205,21 +207,21 @@ class HybridPrefixCache:
         return plan
 
     def _host_write(self, batch: int, records: list[BlockWrite | SnapshotWrite]) -> HostWrite:
-        blocks: list[tuple[int, int]] = []
-        images: list[tuple[int, tuple[int, ...]]] = []
+        blocks: list[PageSlab] = []
+        images: list[ImageCopy] = []
         for record in records:
             if isinstance(record, BlockWrite):
-                blocks.extend((copy.page, copy.slab) for copy in record.copies)
+                blocks.extend(PageSlab(copy.page, copy.slab) for copy in record.copies)
                 continue
-            images.append((self.snapshot_pool_slot(record.slot), record.image_slabs))
+            images.append(ImageCopy(self.snapshot_pool_slot(record.slot), record.image_slabs))
             if record.tail_page is not None and record.tail_slab is not None:
-                blocks.append((record.tail_page, record.tail_slab))
+                blocks.append(PageSlab(record.tail_page, record.tail_slab))
         geometry = self.config.index.geometry
         self.host.write_bytes += len(blocks) * geometry.block_bytes
         self.host.write_bytes += len(images) * geometry.image_bytes
         return HostWrite(batch, tuple(blocks), tuple(images))
 
-    def complete_writes(self, batches: Seq[int]) -> None:
+    def complete_writes(self, batches: Sequence[int]) -> None:
         """The workers finished these write-through batches: the host copies are resident."""
         for batch in batches:
             for record in self._writing.pop(batch, ()):
@@ -288,9 +290,7 @@ class HybridPrefixCache:
             self._waited.add(request.request_id)
         return Lookup(quote, frontier, taps, prompt, sibling, request.read_cache)
 
-    def _sibling(
-        self, prompt: PreparedPrompt, request: RequestInfo, frontier: int
-    ) -> Sequence | None:
+    def _sibling(self, prompt: PreparedPrompt, request: RequestInfo, frontier: int) -> Lane | None:
         """In-flight coalescing (§12.2): the running request whose snapshot, published soon, will
         serve this prompt at least one block deeper than the cache serves it now.
 
@@ -299,18 +299,18 @@ class HybridPrefixCache:
         there; one that has passed it serves only through a capture still publishing. A wait
         always ends: the sibling publishes, passes the target without a slot for it, or leaves.
         """
-        best: Sequence | None = None
+        best: Lane | None = None
         deepest = frontier + BLOCK_TOKENS - 1
-        for seq in self._live:
-            if seq.prompt is None or seq.prompt.cache_salt != prompt.cache_salt:
+        for lane in self._live:
+            if lane.prompt is None or lane.prompt.cache_salt != prompt.cache_salt:
                 continue
-            shared = _shared_blocks(prompt, seq.prompt) * BLOCK_TOKENS
-            limit = min(shared, request.num_prompt_tokens - 1, seq.num_prompt_tokens - 1)
+            shared = _shared_blocks(prompt, lane.prompt) * BLOCK_TOKENS
+            limit = min(shared, request.num_prompt_tokens - 1, lane.num_prompt_tokens - 1)
             target = limit - limit % BLOCK_TOKENS
-            if seq.scheduled_end >= target:
-                target = max((c.frontier for c in seq.captures if c.frontier <= target), default=0)
+            if lane.scheduled_end >= target:
+                target = max((c.frontier for c in lane.captures if c.frontier <= target), default=0)
             if target > deepest:
-                best, deepest = seq, target
+                best, deepest = lane, target
         if best is not None and best.scheduled_end < deepest:
             _plan_exact_tap(best, deepest)
         return best
@@ -332,7 +332,7 @@ class HybridPrefixCache:
         prefetch = self.index.prefetch(match)
         if prefetch is None:
             return
-        blocks = tuple((copy.slab, copy.page) for copy in prefetch.copies)
+        blocks = tuple(PageSlab(copy.page, copy.slab) for copy in prefetch.copies)
         self._plan.prefetches.append(HostRestore(blocks, None, None))
         self._prefetching.append(prefetch)
         self.host.restore_bytes += len(blocks) * self.config.index.geometry.block_bytes
@@ -343,7 +343,7 @@ class HybridPrefixCache:
         self._waited.discard(request_id)
 
     def chunk_limit(
-        self, taps: Seq[PlannedTap], start: int, num_new_tokens: int, num_prompt_tokens: int
+        self, taps: Sequence[PlannedTap], start: int, num_new_tokens: int, num_prompt_tokens: int
     ) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap that cannot be
         captured inside the pass, if any.
@@ -377,7 +377,7 @@ class HybridPrefixCache:
 
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
-    ) -> Sequence | None:
+    ) -> Lane | None:
         """Take the source, a state slot and pages for the first chunk; None: no room now."""
         if not self._free_slots:
             return None
@@ -408,7 +408,7 @@ class HybridPrefixCache:
             raise RuntimeError(f"a quoted admission of {request.request_id} found no pages")
         pages.extend(new)
         private.update(new)
-        seq = Sequence(
+        lane = Lane(
             request.request_id,
             slot,
             pages,
@@ -420,7 +420,7 @@ class HybridPrefixCache:
             taps=list(lookup.taps),
             newest_frontier=frontier,
         )
-        self._live.add(seq)
+        self._live.add(lane)
         if request.request_id in self._waited:
             self.admissions.coalesced_requests += 1
         self.forget(request.request_id)
@@ -429,7 +429,7 @@ class HybridPrefixCache:
             self.admissions.hit_tokens_host += frontier
         else:
             self.admissions.hit_tokens_device += frontier
-        return seq
+        return lane
 
     def _plan_restore(
         self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]
@@ -437,17 +437,21 @@ class HybridPrefixCache:
         """Plan the copies that put the snapshot into the lane; True when any come from the
         host. The lane's copy of a host-only tail is restored from the slab too, so no device
         copy has to wait for the restore."""
-        blocks = [(copy.slab, copy.page) for copy in restore.blocks]
+        blocks = [PageSlab(copy.page, copy.slab) for copy in restore.blocks]
         image = None
         if restore.image_slot is not None:
             source = self.snapshot_pool_slot(restore.image_slot)
             self._plan.state_copies.append(StateCopy(source, slot))
         else:
-            image = (restore.image_slabs, slot)
+            image = ImageCopy(slot, restore.image_slabs)
+        tail = None
+        if restore.tail is not None:
+            tail_slab, tail_page = restore.tail
+            tail = PageSlab(tail_page, tail_slab)
         if restore.tail_page is not None:
             cow = self._allocate_one()
-            if restore.tail is not None:
-                blocks.append((restore.tail[0], cow))
+            if tail is not None:
+                blocks.append(PageSlab(cow, tail.slab))
             else:
                 self._plan.page_copies.append(PageCopy(restore.tail_page, cow))
             pages.append(cow)
@@ -455,19 +459,19 @@ class HybridPrefixCache:
         self._landing.append(restore)
         if not blocks and image is None:
             return False
-        self._plan.host_restores.append(HostRestore(tuple(blocks), restore.tail, image))
+        self._plan.host_restores.append(HostRestore(tuple(blocks), tail, image))
         geometry = self.config.index.geometry
         self.host.restore_bytes += (len(blocks) + (restore.tail is not None)) * geometry.block_bytes
         self.host.restore_bytes += geometry.image_bytes if image is not None else 0
         return True
 
-    def grow(self, seq: Sequence, num_tokens: int) -> list[PageId] | None:
+    def grow(self, lane: Lane, num_tokens: int) -> list[PageId] | None:
         """Pages so the block table covers ``num_tokens`` tokens; None when there is no room."""
-        new = self._allocate(_pages(num_tokens) - len(seq.pages))
+        new = self._allocate(_pages(num_tokens) - len(lane.pages))
         if new is None:
             return None
-        seq.pages.extend(new)
-        seq.private.update(new)
+        lane.pages.extend(new)
+        lane.private.update(new)
         return new
 
     def _allocate_one(self) -> PageId:
@@ -487,13 +491,13 @@ class HybridPrefixCache:
 
     # -- taps -------------------------------------------------------------------------------
 
-    def on_scheduled(self, seq: Sequence, token_ids: Seq[int], start: int, end: int) -> None:
-        """The chunk [start, end) of ``seq`` runs this step: capture the taps it reaches."""
-        seq.scheduled_end = max(seq.scheduled_end, end)
-        due = [t for t in seq.taps if t.position <= end]
-        if not due or not seq.caching:
+    def on_scheduled(self, lane: Lane, token_ids: Sequence[int], start: int, end: int) -> None:
+        """The chunk [start, end) of ``lane`` runs this step: capture the taps it reaches."""
+        lane.scheduled_end = max(lane.scheduled_end, end)
+        due = [t for t in lane.taps if t.position <= end]
+        if not due or not lane.caching:
             return
-        seq.taps = [t for t in seq.taps if t.position > end]
+        lane.taps = [t for t in lane.taps if t.position > end]
         in_pass: dict[int, list[PlannedTap]] = {}
         rest = []
         for tap in due:
@@ -504,38 +508,38 @@ class HybridPrefixCache:
             else:
                 rest.append(tap)
         for position, taps in sorted(in_pass.items()):
-            self._capture(seq, token_ids, position, _kind(taps), in_pass_offset=position - start)
+            self._capture(lane, token_ids, position, _kind(taps), in_pass_offset=position - start)
         if not rest:
             return
         kind = _kind(rest)
-        if end < seq.num_prompt_tokens:
-            self._capture(seq, token_ids, end, kind, after_step=True)
-        elif start > seq.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)
-            self._capture(seq, token_ids, start, kind, after_step=False)
+        if end < lane.num_prompt_tokens:
+            self._capture(lane, token_ids, end, kind, after_step=True)
+        elif start > lane.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)
+            self._capture(lane, token_ids, start, kind, after_step=False)
 
     def _capture(
         self,
-        seq: Sequence,
-        token_ids: Seq[int],
+        lane: Lane,
+        token_ids: Sequence[int],
         frontier: int,
         kind: SnapshotKind,
         after_step: bool = False,
         in_pass_offset: int | None = None,
     ) -> None:
-        """Take a slot (and a tail page) for a snapshot of ``seq`` at ``frontier``. Its copies go
+        """Take a slot (and a tail page) for a snapshot of ``lane`` at ``frontier``. Its copies go
         into the next plan when they must see the state after the step being planned; an
         in-pass capture, ``in_pass_offset`` tokens into this step's chunk (no tail: its frontier
         is a block boundary), goes into this one."""
-        assert seq.lease is not None
-        slot = self.index.take_snapshot_slot(seq.lease, kind, frontier)
+        assert lane.lease is not None
+        slot = self.index.take_snapshot_slot(lane.lease, kind, frontier)
         if slot is None:
             return
         tail_page = page_copy = None
         if frontier % BLOCK_TOKENS:
-            source = seq.pages[frontier // BLOCK_TOKENS]
+            source = lane.pages[frontier // BLOCK_TOKENS]
             if kind is SnapshotKind.ENDPOINT:  # the finished request's page moves, no copy
                 tail_page = source
-                seq.private.discard(source)
+                lane.private.discard(source)
             else:
                 tail = self._allocate(1)
                 if tail is None:
@@ -545,22 +549,22 @@ class HybridPrefixCache:
                 page_copy = PageCopy(source, tail_page)
         dst = self.snapshot_pool_slot(slot)
         copy: StateCopy | InPassCapture = (
-            StateCopy(seq.slot, dst)
+            StateCopy(lane.slot, dst)
             if in_pass_offset is None
-            else InPassCapture(seq.slot, in_pass_offset, dst)
+            else InPassCapture(lane.slot, in_pass_offset, dst)
         )
         capture = Capture(
             frontier, kind, slot, _tail(token_ids, frontier), tail_page, copy, page_copy
         )
-        seq.captures.append(capture)
+        lane.captures.append(capture)
         if after_step:
-            self._deferred.append((seq, capture))
+            self._deferred.append((lane, capture))
         else:
-            self._queue(seq, capture)
+            self._queue(lane, capture)
 
-    def _queue(self, seq: Sequence, capture: Capture) -> None:
+    def _queue(self, lane: Lane, capture: Capture) -> None:
         """Put the capture's copies into the plan being built."""
-        seq.newest_frontier = max(seq.newest_frontier, capture.frontier)
+        lane.newest_frontier = max(lane.newest_frontier, capture.frontier)
         copy = capture.state_copy
         if isinstance(copy, InPassCapture):
             self._plan.in_pass.append(copy)
@@ -573,31 +577,31 @@ class HybridPrefixCache:
 
     # -- after a step -----------------------------------------------------------------------
 
-    def commit(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
-        """Tokens [0, num_computed) of ``seq`` are in KV and state: commit full blocks (§7.6)
+    def commit(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
+        """Tokens [0, num_computed) of ``lane`` are in KV and state: commit full blocks (§7.6)
         and publish the captures they complete (§7.4)."""
-        lease = seq.lease
+        lease = lane.lease
         if lease is None:
             return
         for block in range(len(lease.path), num_computed // BLOCK_TOKENS):
             begin = block * BLOCK_TOKENS
-            page = seq.pages[block]
+            page = lane.pages[block]
             result = self.index.commit_block(lease, token_ids[begin : begin + BLOCK_TOKENS], page)
             if result.page_is_cached:
-                seq.private.discard(page)
-        self._publish_ready(seq)
+                lane.private.discard(page)
+        self._publish_ready(lane)
 
-    def _publish_ready(self, seq: Sequence) -> None:
-        assert seq.lease is not None
-        committed_blocks = len(seq.lease.path)
-        for capture in list(seq.captures):
+    def _publish_ready(self, lane: Lane) -> None:
+        assert lane.lease is not None
+        committed_blocks = len(lane.lease.path)
+        for capture in list(lane.captures):
             if not capture.copies_queued or capture.frontier // BLOCK_TOKENS > committed_blocks:
                 continue
             if capture.page_copy_step is not None and capture.page_copy_step >= self._plans_taken:
                 continue
-            seq.captures.remove(capture)
+            lane.captures.remove(capture)
             publication = self.index.publish_snapshot(
-                seq.lease,
+                lane.lease,
                 kind=capture.kind,
                 frontier=capture.frontier,
                 tail_tokens=capture.tail_tokens,
@@ -607,42 +611,42 @@ class HybridPrefixCache:
             if publication.write is not None:
                 self._write_batch.append(publication.write)
 
-    def finish(self, seq: Sequence, token_ids: Seq[int], num_computed: int) -> None:
+    def finish(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it."""
-        self._live.remove(seq)
-        self._free_slots.append(seq.slot)
-        if seq.lease is None:
-            self._release(seq)
+        self._live.remove(lane)
+        self._free_slots.append(lane.slot)
+        if lane.lease is None:
+            self._release(lane)
             return
-        for capture in [c for c in seq.captures if c.frontier > num_computed]:
-            self._drop(seq, capture)  # a chunk that was planned but never ran (preemption)
-        self.commit(seq, token_ids, num_computed)
-        if num_computed - seq.newest_frontier >= BLOCK_TOKENS:
-            self._capture(seq, token_ids, num_computed, SnapshotKind.ENDPOINT, after_step=False)
-        self._publish_ready(seq)
-        if seq.captures:
-            self._retiring.append(seq)
+        for capture in [c for c in lane.captures if c.frontier > num_computed]:
+            self._drop(lane, capture)  # a chunk that was planned but never ran (preemption)
+        self.commit(lane, token_ids, num_computed)
+        if num_computed - lane.newest_frontier >= BLOCK_TOKENS:
+            self._capture(lane, token_ids, num_computed, SnapshotKind.ENDPOINT, after_step=False)
+        self._publish_ready(lane)
+        if lane.captures:
+            self._retiring.append(lane)
         else:
-            self._release(seq)
+            self._release(lane)
 
-    def _drop(self, seq: Sequence, capture: Capture) -> None:
+    def _drop(self, lane: Lane, capture: Capture) -> None:
         assert not capture.copies_queued
-        seq.captures.remove(capture)
-        self._deferred.remove((seq, capture))
+        lane.captures.remove(capture)
+        self._deferred.remove((lane, capture))
         self.index.return_snapshot_slot(capture.slot)
         if capture.tail_page is not None:
             self.index.free_pages([capture.tail_page])
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.private:
-            self._quarantine.append((self._plans_taken, sorted(seq.private)))
-            seq.private = set()
-        if seq.lease is not None:
-            write = self.index.release(seq.lease)
+    def _release(self, lane: Lane) -> None:
+        if lane.private:
+            self._quarantine.append((self._plans_taken, sorted(lane.private)))
+            lane.private = set()
+        if lane.lease is not None:
+            write = self.index.release(lane.lease)
             if write is not None:
                 self._write_batch.append(write)
-            seq.lease = None
+            lane.lease = None
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -670,9 +674,9 @@ class HybridPrefixCache:
         copy in flight (tests)."""
         self.index.check_invariants()
         live = self._live | set(self._retiring)
-        expected = {p for seq in live for p in seq.private}
+        expected = {p for lane in live for p in lane.private}
         expected |= {p for _, pages in self._quarantine for p in pages}
-        expected |= {c.tail_page for seq in live for c in seq.captures if c.tail_page is not None}
+        expected |= {c.tail_page for lane in live for c in lane.captures if c.tail_page is not None}
         active = set(self.index.store.pages.pages_in(PageState.ACTIVE))
         if active != expected:
             raise InvariantError(
@@ -690,7 +694,7 @@ class HybridPrefixCache:
             raise InvariantError(
                 f"index has {self.index.num_in_flight} transfers in flight, expected {transfers}"
             )
-        leases = sum(seq.lease is not None for seq in live)
+        leases = sum(lane.lease is not None for lane in live)
         if self.index.num_leases != leases:
             raise InvariantError(f"index holds {self.index.num_leases} leases, expected {leases}")
 
@@ -731,7 +735,7 @@ def _pages(tokens: int) -> int:
 
 
 def _aligned_tail(
-    taps: list[PlannedTap], base: int, existing: Seq[int], resumed_from_endpoint: bool
+    taps: list[PlannedTap], base: int, existing: Sequence[int], resumed_from_endpoint: bool
 ) -> list[PlannedTap]:
     """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
 
@@ -759,7 +763,7 @@ def _aligned_tail(
     return sorted(result, key=lambda t: t.position)
 
 
-def _kind(taps: Seq[PlannedTap]) -> SnapshotKind:
+def _kind(taps: Sequence[PlannedTap]) -> SnapshotKind:
     """One snapshot for several taps: Boundary if any of them is."""
     boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)
     return SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
@@ -785,18 +789,18 @@ def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:
     return low if exact else 0
 
 
-def _plan_exact_tap(seq: Sequence, position: int) -> None:
-    """Make sure ``seq`` captures its state exactly at ``position`` (a coalescing target)."""
-    if any(t.position == position and t.exact for t in seq.taps):
+def _plan_exact_tap(lane: Lane, position: int) -> None:
+    """Make sure ``lane`` captures its state exactly at ``position`` (a coalescing target)."""
+    if any(t.position == position and t.exact for t in lane.taps):
         return
     tap = PlannedTap(position, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY)
-    seq.taps = sorted([*(t for t in seq.taps if t.position != position), tap], key=_position)
+    lane.taps = sorted([*(t for t in lane.taps if t.position != position), tap], key=_position)
 
 
 def _position(tap: PlannedTap) -> int:
     return tap.position
 
 
-def _tail(token_ids: Seq[int], frontier: int) -> list[int]:
+def _tail(token_ids: Sequence[int], frontier: int) -> list[int]:
     """The tokens after the last full block below ``frontier``."""
     return list(token_ids[frontier - frontier % BLOCK_TOKENS : frontier])

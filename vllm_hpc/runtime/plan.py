@@ -44,26 +44,42 @@ class PageCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class PageSlab:
+    """A KV page and the host slab of the same block, in either direction (the index's
+    `BlockCopy` without its node: the workers get numbers only)."""
+
+    page: int
+    slab: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImageCopy:
+    """One state pool slot and the host slabs of its snapshot image, in either direction."""
+
+    slot: int
+    slabs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class HostWrite:
     """Write-through of one batch, device -> host (§7.6); the workers report ``batch`` done."""
 
     batch: int
-    blocks: tuple[tuple[int, int], ...]
-    """(page, slab) pairs: released blocks and snapshot tails."""
-    images: tuple[tuple[int, tuple[int, ...]], ...]
-    """(state pool slot, image slabs) pairs."""
+    blocks: tuple[PageSlab, ...]
+    """Released blocks and snapshot tails."""
+    images: tuple[ImageCopy, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class HostRestore:
     """One admission's restore, host -> device (§6.4-§6.5), in the order the forward reads it."""
 
-    blocks: tuple[tuple[int, int], ...]
-    """(slab, page) pairs: the path's host-only blocks, then the lane's copy of the tail."""
-    tail: tuple[int, int] | None
-    """(slab, page): the snapshot's tail back into a cache-owned page."""
-    image: tuple[tuple[int, ...], int] | None
-    """(image slabs, state pool slot): the state into the lane's active slot."""
+    blocks: tuple[PageSlab, ...]
+    """The path's host-only blocks, then the lane's copy of the tail."""
+    tail: PageSlab | None
+    """The snapshot's tail back into a cache-owned page."""
+    image: ImageCopy | None
+    """The state into the lane's active slot."""
 
 
 @dataclass(slots=True)

@@ -33,8 +33,8 @@ class Capture:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
-    """One running request: its block table, state slot, cache lease and taps."""
+class Lane:
+    """One running request (a lane): its block table, state slot, cache lease and taps."""
 
     request_id: str
     slot: int

@@ -25,7 +25,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
-from vllm_hpc.glue.template_taps import chat_markers, prompt_hints
+from vllm_hpc.glue.template_hints import chat_markers, prompt_hints
 from vllm_hpc.index import HostGeometry, IndexConfig, TapHint, TapPolicy
 from vllm_hpc.options import PluginOptions, check_host_budget
 from vllm_hpc.runtime.cache import (

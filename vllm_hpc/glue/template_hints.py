@@ -1,4 +1,5 @@
-"""Opener and structural tap hints for vLLM requests, from the model's tokenizer (§7.1).
+"""Opener and structural tap hints for vLLM requests, from the model's tokenizer (§7.1): the
+glue half of `vllm_hpc.runtime.template_hints`.
 
 The front end renders the chat template and tokenizes; the scheduler sees token ids only, so the
 chat format's special tokens are read once from the tokenizer at start-up and each prompt is

@@ -33,116 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_hpc.glue.host_arena import TransferHandle
-from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
+from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS, WORKER_COUNTERS, WORKER_LEVELS
 
-# counter name -> (Prometheus name, documentation, label name, label value)
-_COUNTER_METRICS = {
-    "prompt_tokens": ("vllm:hpc_prompt_tokens", "Prompt tokens of admitted requests", None, None),
-    "hit_tokens_device": (
-        "vllm:hpc_hit_tokens",
-        "Prompt tokens served from the hybrid prefix cache",
-        "source",
-        "device",
-    ),
-    "hit_tokens_host": (
-        "vllm:hpc_hit_tokens",
-        "Prompt tokens served from the hybrid prefix cache",
-        "source",
-        "host",
-    ),
-    "host_write_bytes": ("vllm:hpc_host_bytes", "Bytes moved by the host tier", "what", "written"),
-    "host_restore_bytes": (
-        "vllm:hpc_host_bytes",
-        "Bytes moved by the host tier",
-        "what",
-        "restored",
-    ),
-    "host_write_seconds": (
-        "vllm:hpc_host_transfer_seconds",
-        "Seconds the host tier's copies took (copy stream time, measured by the workers)",
-        "what",
-        "written",
-    ),
-    "host_restore_seconds": (
-        "vllm:hpc_host_transfer_seconds",
-        "Seconds the host tier's copies took (copy stream time, measured by the workers)",
-        "what",
-        "restored",
-    ),
-    "host_dead_reclaimed": ("vllm:hpc_evictions", "Cache evictions", "what", "host_dead_block"),
-    "host_superseded_evicted": (
-        "vllm:hpc_evictions",
-        "Cache evictions",
-        "what",
-        "host_superseded_snapshot",
-    ),
-    "host_gdsf_evicted": ("vllm:hpc_evictions", "Cache evictions", "what", "host_snapshot"),
-    "host_writes_declined": (
-        "vllm:hpc_host_writes_declined",
-        "Write-through batches the host tier had no room for",
-        None,
-        None,
-    ),
-    "blocks_prefetched": (
-        "vllm:hpc_host_prefetched_blocks",
-        "Host-only blocks copied to the device while their request waited at the queue's head",
-        None,
-        None,
-    ),
-    "prefetched_blocks_used": (
-        "vllm:hpc_host_prefetch_hits",
-        "Prefetched blocks an admission then found on the device",
-        None,
-        None,
-    ),
-    "prefetches_skipped": (
-        "vllm:hpc_host_prefetches_skipped",
-        "Steps whose prefetch for the blocked head was answered from the last fruitless attempt",
-        None,
-        None,
-    ),
-    "coalesced_requests": (
-        "vllm:hpc_coalesced_requests",
-        "Queue heads admitted after waiting for a running request's snapshot of their prefix",
-        None,
-        None,
-    ),
-    "blocks_inserted": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "inserted"),
-    "blocks_duplicate": ("vllm:hpc_blocks_committed", "Blocks committed", "outcome", "duplicate"),
-    "snapshots_published": ("vllm:hpc_snapshots_published", "Snapshots published", None, None),
-    "snapshots_duplicate": (
-        "vllm:hpc_snapshots_duplicate",
-        "Snapshot publications that found an identical snapshot",
-        None,
-        None,
-    ),
-    "taps_skipped_no_slot": (
-        "vllm:hpc_taps_skipped",
-        "Taps and endpoints skipped for want of a snapshot slot",
-        None,
-        None,
-    ),
-    "device_evictions_backed": ("vllm:hpc_evictions", "Cache evictions", "what", "page_backed"),
-    "device_evictions_unbacked": ("vllm:hpc_evictions", "Cache evictions", "what", "page_unbacked"),
-    "slot_evictions": ("vllm:hpc_evictions", "Cache evictions", "what", "snapshot_slot"),
-    "nodes_deleted": ("vllm:hpc_evictions", "Cache evictions", "what", "node"),
-    "snapshots_deleted": ("vllm:hpc_evictions", "Cache evictions", "what", "snapshot"),
-}
-_LEVEL_DOCS = {
-    "snapshots": "Snapshots held",
-    "snapshot_slots_used": "Device snapshot slots in use",
-    "active_slots_used": "Active state slots in use (running requests)",
-    "device_pages_free": "Free device KV pages",
-    "device_pages_evictable": "Cached device KV pages no request holds (evictable)",
-    "host_bytes_blocks": "Host tier bytes holding KV blocks",
-    "host_bytes_images": "Host tier bytes holding snapshot state images",
-    "host_bytes_tails": "Host tier bytes holding snapshot tail pages",
-    "host_bytes_free": "Free host tier bytes",
-    "host_write_bytes_per_second": "Bandwidth of the write-through copies that landed last",
-    "host_restore_bytes_per_second": "Bandwidth of the restores and prefetches that landed last",
-}
-TRANSFER_COUNTERS = ("host_write_seconds", "host_restore_seconds")
-"""Counters the workers report (`TransferMeter`), beside the cache's `COUNTERS`."""
+_COUNTERS = {m.name: m for m in (*COUNTERS, *WORKER_COUNTERS)}
+_LEVELS = {m.name: m for m in (*LEVELS, *WORKER_LEVELS)}
 
 
 @dataclass
@@ -173,7 +67,7 @@ class HybridPrefixStats(KVConnectorStats):
 
 
 def _is_counter(name: str) -> bool:
-    return name in COUNTERS or name in TRANSFER_COUNTERS
+    return name in _COUNTERS
 
 
 class TelemetryReader:
@@ -183,13 +77,13 @@ class TelemetryReader:
         self._last: dict[str, int] = {}
 
     def read(self, values: dict[str, int]) -> HybridPrefixStats | None:
-        data: dict[str, int] = {name: values[name] for name in LEVELS}
+        data: dict[str, int] = {m.name: values[m.name] for m in LEVELS}
         changed = False
-        for name in COUNTERS:
-            delta = values[name] - self._last.get(name, 0)
-            data[name] = delta
+        for metric in COUNTERS:
+            delta = values[metric.name] - self._last.get(metric.name, 0)
+            data[metric.name] = delta
             changed |= delta != 0
-        if not changed and all(values[n] == self._last.get(n) for n in LEVELS):
+        if not changed and all(values[m.name] == self._last.get(m.name) for m in LEVELS):
             return None
         self._last = dict(values)
         return HybridPrefixStats(data)
@@ -243,29 +137,29 @@ class HybridPrefixPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         families: dict[str, Any] = {}
         self._counters: dict[str, dict[int, Any]] = {}
-        for name, (metric, doc, label, value) in _COUNTER_METRICS.items():
-            if metric not in families:
-                labels = labelnames + ([label] if label else [])
-                families[metric] = self._counter_cls(
-                    name=metric, documentation=doc, labelnames=labels
+        for name, metric in _COUNTERS.items():
+            label = metric.label
+            if metric.family not in families:
+                labels = labelnames + ([label[0]] if label else [])
+                families[metric.family] = self._counter_cls(
+                    name=metric.family, documentation=metric.doc, labelnames=labels
                 )
-            family = families[metric]
             per_engine = {
-                engine: [*values, value] if label else values
+                engine: [*values, label[1]] if label else values
                 for engine, values in per_engine_labelvalues.items()
             }
-            self._counters[name] = create_metric_per_engine(family, per_engine)
+            self._counters[name] = create_metric_per_engine(families[metric.family], per_engine)
         self._levels = {
             name: create_metric_per_engine(
                 self._gauge_cls(
-                    name=f"vllm:hpc_{name}",
-                    documentation=doc,
+                    name=metric.family,
+                    documentation=metric.doc,
                     labelnames=labelnames,
                     multiprocess_mode="mostrecent",
                 ),
                 per_engine_labelvalues,
             )
-            for name, doc in _LEVEL_DOCS.items()
+            for name, metric in _LEVELS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

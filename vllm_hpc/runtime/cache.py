@@ -74,9 +74,9 @@ from vllm_hpc.runtime.plan import (
     StepPlan,
 )
 from vllm_hpc.runtime.telemetry import (
-    ADMISSION_COUNTERS,
-    HOST_COUNTERS,
-    INDEX_COUNTERS,
+    ADMISSION,
+    HOST,
+    INDEX,
     AdmissionCounters,
     HostCounters,
 )
@@ -653,9 +653,9 @@ class HybridPrefixCache:
     def telemetry(self) -> dict[str, int]:
         """Cumulative counters and current levels (`vllm_hpc.runtime.telemetry`)."""
         index, store = self.index, self.index.store
-        values = {name: getattr(index.stats, name) for name in INDEX_COUNTERS}
-        values.update({name: getattr(self.admissions, name) for name in ADMISSION_COUNTERS})
-        values.update({f"host_{name}": getattr(self.host, name) for name in HOST_COUNTERS})
+        values = {m.name: getattr(index.stats, m.name) for m in INDEX}
+        values.update({m.name: getattr(self.admissions, m.name) for m in ADMISSION})
+        values.update({m.name: getattr(self.host, m.name.removeprefix("host_")) for m in HOST})
         values["snapshots"] = len(store.snapshots)
         values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
         values["active_slots_used"] = len(self._live)

@@ -30,40 +30,136 @@ class HostCounters:
     restore_bytes: int = 0
 
 
-ADMISSION_COUNTERS = ("prompt_tokens", "hit_tokens_device", "hit_tokens_host", "coalesced_requests")
-HOST_COUNTERS = ("write_bytes", "restore_bytes")
-INDEX_COUNTERS = (
-    "blocks_inserted",
-    "blocks_duplicate",
-    "snapshots_published",
-    "snapshots_duplicate",
-    "taps_skipped_no_slot",
-    "device_evictions_backed",
-    "device_evictions_unbacked",
-    "slot_evictions",
-    "nodes_deleted",
-    "snapshots_deleted",
-    "host_dead_reclaimed",
-    "host_superseded_evicted",
-    "host_gdsf_evicted",
-    "host_writes_declined",
-    "blocks_prefetched",
-    "prefetched_blocks_used",
-    "prefetches_skipped",
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One value the cache reports, and the Prometheus series that shows it (`glue/metrics.py`
+    builds the series from this registry; counters travel as increments, levels as values)."""
+
+    name: str
+    """Its key in `HybridPrefixCache.telemetry()` and in the stats vLLM carries each step."""
+    family: str
+    """Prometheus name, in vLLM's namespace; counters of one family differ by ``label``."""
+    doc: str
+    label: tuple[str, str] | None = None
+
+
+def _by(label: str, family: str, doc: str, **names: str) -> tuple[Metric, ...]:
+    """One family's counters, keyed by label value: ``value=name``."""
+    return tuple(Metric(name, family, doc, (label, value)) for value, name in names.items())
+
+
+ADMISSION = (
+    Metric("prompt_tokens", "vllm:hpc_prompt_tokens", "Prompt tokens of admitted requests"),
+    *_by(
+        "source",
+        "vllm:hpc_hit_tokens",
+        "Prompt tokens served from the hybrid prefix cache",
+        device="hit_tokens_device",
+        host="hit_tokens_host",
+    ),
+    Metric(
+        "coalesced_requests",
+        "vllm:hpc_coalesced_requests",
+        "Queue heads admitted after waiting for a running request's snapshot of their prefix",
+    ),
+)
+"""`AdmissionCounters` fields."""
+INDEX = (
+    *_by(
+        "outcome",
+        "vllm:hpc_blocks_committed",
+        "Blocks committed",
+        inserted="blocks_inserted",
+        duplicate="blocks_duplicate",
+    ),
+    Metric("snapshots_published", "vllm:hpc_snapshots_published", "Snapshots published"),
+    Metric(
+        "snapshots_duplicate",
+        "vllm:hpc_snapshots_duplicate",
+        "Snapshot publications that found an identical snapshot",
+    ),
+    Metric(
+        "taps_skipped_no_slot",
+        "vllm:hpc_taps_skipped",
+        "Taps and endpoints skipped for want of a snapshot slot",
+    ),
+    *_by(
+        "what",
+        "vllm:hpc_evictions",
+        "Cache evictions",
+        page_backed="device_evictions_backed",
+        page_unbacked="device_evictions_unbacked",
+        snapshot_slot="slot_evictions",
+        node="nodes_deleted",
+        snapshot="snapshots_deleted",
+        host_dead_block="host_dead_reclaimed",
+        host_superseded_snapshot="host_superseded_evicted",
+        host_snapshot="host_gdsf_evicted",
+    ),
+    Metric(
+        "host_writes_declined",
+        "vllm:hpc_host_writes_declined",
+        "Write-through batches the host tier had no room for",
+    ),
+    Metric(
+        "blocks_prefetched",
+        "vllm:hpc_host_prefetched_blocks",
+        "Host-only blocks copied to the device while their request waited at the queue's head",
+    ),
+    Metric(
+        "prefetched_blocks_used",
+        "vllm:hpc_host_prefetch_hits",
+        "Prefetched blocks an admission then found on the device",
+    ),
+    Metric(
+        "prefetches_skipped",
+        "vllm:hpc_host_prefetches_skipped",
+        "Steps whose prefetch for the blocked head was answered from the last fruitless attempt",
+    ),
 )
 """`vllm_hpc.index.CacheStats` fields reported."""
-COUNTERS = ADMISSION_COUNTERS + INDEX_COUNTERS + tuple(f"host_{n}" for n in HOST_COUNTERS)
-"""Monotonic counters, reported as increments."""
+HOST = _by(
+    "what",
+    "vllm:hpc_host_bytes",
+    "Bytes moved by the host tier",
+    written="host_write_bytes",
+    restored="host_restore_bytes",
+)
+"""`HostCounters` fields, prefixed ``host_``."""
+COUNTERS = ADMISSION + INDEX + HOST
+"""The cache's monotonic counters."""
+WORKER_COUNTERS = _by(
+    "what",
+    "vllm:hpc_host_transfer_seconds",
+    "Seconds the host tier's copies took (copy stream time, measured by the workers)",
+    written="host_write_seconds",
+    restored="host_restore_seconds",
+)
+"""Counters the workers measure (`glue.metrics.TransferMeter`), beside the cache's."""
+
+
+def _level(name: str, doc: str) -> Metric:
+    return Metric(name, f"vllm:hpc_{name}", doc)
+
 
 LEVELS = (
-    "snapshots",
-    "snapshot_slots_used",
-    "active_slots_used",
-    "device_pages_free",
-    "device_pages_evictable",
-    "host_bytes_blocks",
-    "host_bytes_images",
-    "host_bytes_tails",
-    "host_bytes_free",
+    _level("snapshots", "Snapshots held"),
+    _level("snapshot_slots_used", "Device snapshot slots in use"),
+    _level("active_slots_used", "Active state slots in use (running requests)"),
+    _level("device_pages_free", "Free device KV pages"),
+    _level("device_pages_evictable", "Cached device KV pages no request holds (evictable)"),
+    _level("host_bytes_blocks", "Host tier bytes holding KV blocks"),
+    _level("host_bytes_images", "Host tier bytes holding snapshot state images"),
+    _level("host_bytes_tails", "Host tier bytes holding snapshot tail pages"),
+    _level("host_bytes_free", "Free host tier bytes"),
 )
-"""Current values, reported as they are."""
+"""The cache's current values."""
+WORKER_LEVELS = (
+    _level("host_write_bytes_per_second", "Bandwidth of the write-through copies that landed last"),
+    _level(
+        "host_restore_bytes_per_second",
+        "Bandwidth of the restores and prefetches that landed last",
+    ),
+)
+"""Levels the workers measure: the bandwidth of the copies that landed in the last step that
+landed any."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_hpc.derived import check_host_budget
 from vllm_hpc.index import HostGeometry, HostSlabPool
-from vllm_hpc.options import OptionError, check_host_budget
+from vllm_hpc.options import OptionError
 
 MIB = 1 << 20
 

@@ -230,7 +230,7 @@ MIB = 1 << 20
 
 
 def _sized(budget_mib: int, max_seqs: int = 256, **options: Any) -> tuple[int, int]:
-    from vllm_hpc.glue.model import size_state_pool
+    from vllm_hpc.derived import size_state_pool
 
     config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0, **options}
     return size_state_pool(
@@ -257,7 +257,7 @@ def test_state_pool_options_override_and_are_checked_against_the_budget() -> Non
 
 
 def _policy(chunk: int, in_pass: bool, **options: Any) -> Any:
-    from vllm_hpc.glue.kv_manager import tap_policy
+    from vllm_hpc.derived import tap_policy
 
     config = {"kv_cache_manager": "hybrid-prefix", **options}
     return tap_policy(PluginOptions.from_additional_config(config), chunk, 4, 8, in_pass)

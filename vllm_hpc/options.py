@@ -18,7 +18,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_hpc.index import HostGeometry
+    pass
 
 
 class OptionError(ValueError):
@@ -39,11 +39,19 @@ class OptionSpec:
     key: str
     flag: str
     help: str
+    """Help text; its ``{name}`` fields are defaults the plugin derives (`help_text`)."""
     parse: Callable[[str, Any], Any]
     """(flag, raw value) -> value; raises OptionError naming the flag."""
     choices: tuple[str, ...] = ()
     is_flag: bool = False
     """A boolean switch on the command line (no value)."""
+
+    def help_text(self) -> str:
+        """The help with the derived defaults filled in (`vllm_hpc.derived`, which imports this
+        module, so it is imported here rather than at the top)."""
+        from vllm_hpc.derived import HELP_DEFAULTS
+
+        return self.help.format(**HELP_DEFAULTS)
 
 
 def _choice(flag: str, value: Any) -> KVCacheManager:
@@ -86,8 +94,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         help=(
             "Prefix cache for hybrid (Gated DeltaNet + attention) models. 'native' keeps "
             "vLLM's own caching; 'hybrid-prefix' uses vllm_hpc's cache of 64-token KV blocks "
-            "and recurrent-state snapshots. Python API: additional_config={'kv_cache_manager': "
-            "...}. (default: native)"
+            "and recurrent-state snapshots. Python API: additional_config={{'kv_cache_manager': "
+            "...}}. (default: native)"
         ),
         parse=_choice,
         choices=tuple(m.value for m in KVCacheManager),
@@ -97,9 +105,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         flag="--active-state-slots",
         help=(
             "Device state slots for running requests: at most this many requests run at once. "
-            "Default: min(--max-num-seqs, 5%% of the cache budget / one state), reported at "
-            "start-up; raise it for high concurrency, at the cost of KV and snapshot room. "
-            + _HYBRID_ONLY
+            "Default: min(--max-num-seqs, {active_share} of the cache budget / one state), "
+            "reported at start-up; raise it for high concurrency, at the cost of KV and "
+            "snapshot room. " + _HYBRID_ONLY
         ),
         parse=_count(1),
     ),
@@ -108,8 +116,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         flag="--device-snapshot-slots",
         help=(
             "Device state slots for snapshots (taps and endpoints), beside one active slot per "
-            "running request. Default: derived from the memory budget and reported at start-up. "
-            + _HYBRID_ONLY
+            "running request. Default: {snapshot_share} of the cache budget / one state, at "
+            "least the active slots plus {spare_slots} ({spare_slots_host} with a host tier), "
+            "reported at start-up. " + _HYBRID_ONLY
         ),
         parse=_count(1),
     ),
@@ -117,9 +126,10 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="cache_taps_per_request",
         flag="--cache-taps-per-request",
         help=(
-            "At most this many new snapshots are planned per prompt (default: 8 with a host "
-            "tier or with two snapshot slots per active slot, else 2; 16 where taps are saved "
-            "inside the prefill pass). " + _HYBRID_ONLY
+            "At most this many new snapshots are planned per prompt (default: {dense_taps} with "
+            "a host tier or with {dense_slots} snapshot slots per active slot, else "
+            "{spec_taps}; {in_pass_taps} where taps are saved inside the prefill pass). "
+            + _HYBRID_ONLY
         ),
         parse=_count(0),
     ),
@@ -127,9 +137,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="cache_tap_ladder",
         flag="--cache-tap-ladder",
         help=(
-            "Tokens G of the geometric tap ladder n - G*2^k (default: max(4096, 2 x the tap "
-            "grain: the prefill chunk, or 2048 where taps are saved inside the pass)). "
-            + _HYBRID_ONLY
+            "Tokens G of the geometric tap ladder n - G*2^k (default: max({ladder}, 2 x the tap "
+            "grain: the prefill chunk, or {in_pass_grain} where taps are saved inside the "
+            "pass)). " + _HYBRID_ONLY
         ),
         parse=_count(64),
     ),
@@ -137,8 +147,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="cache_tap_min_gap",
         flag="--cache-tap-min-gap",
         help=(
-            "Minimum tokens between a ladder tap and any other snapshot (default: max(1024, "
-            "the tap grain)). " + _HYBRID_ONLY
+            "Minimum tokens between a ladder tap and any other snapshot (default: max("
+            "{min_gap}, the tap grain)). " + _HYBRID_ONLY
         ),
         parse=_count(0),
     ),
@@ -232,17 +242,3 @@ class PluginOptions:
                 raise OptionError(
                     f"{_SPECS[tap_options[0]].flag} has no effect with --no-prefix-reuse"
                 )
-
-
-def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
-    """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
-    option (0, no host tier, passes). Checked once the model's block and state sizes are known."""
-    slab = geometry.slab_bytes
-    minimum = geometry.min_budget_slabs
-    if host_cache_mib and (host_cache_mib << 20) // slab < minimum:
-        need_mib = -(-minimum * slab // (1 << 20))
-        raise OptionError(
-            f"--host-cache-mib {host_cache_mib} is smaller than one snapshot with its tail plus "
-            f"one block ({minimum} slabs of {slab} bytes: at least {need_mib} MiB); use 0 to "
-            "disable the host tier"
-        )

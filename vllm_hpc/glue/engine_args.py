@@ -127,7 +127,7 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
         )
         # Absent unless given, so a flag never hides an --additional-config key.
         group.add_argument(
-            spec.flag, dest=spec.key, default=argparse.SUPPRESS, help=spec.help, **extra
+            spec.flag, dest=spec.key, default=argparse.SUPPRESS, help=spec.help_text(), **extra
         )
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_hpc.derived import check_host_budget
 from vllm_hpc.glue.cudart import CudaRuntime
 from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
-from vllm_hpc.options import check_host_budget
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -23,17 +23,17 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
+from vllm_hpc.derived import runtime_config
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.template_hints import chat_markers, prompt_hints
-from vllm_hpc.index import HostGeometry, IndexConfig, TapHint, TapPolicy
-from vllm_hpc.options import PluginOptions, check_host_budget
+from vllm_hpc.index import TapHint
+from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
     InfeasibleRequest,
     Lookup,
     RequestInfo,
-    RuntimeConfig,
 )
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.plan import StepPlan
@@ -74,30 +74,17 @@ class HybridPrefixKVCacheManager:
         assert len(attention) == 1, "one full-attention KV cache group expected"
         page_bytes = attention[0].kv_cache_spec.page_size_bytes * len(attention[0].layer_names)
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
-        chunk = vllm_config.scheduler_config.max_num_batched_tokens
-        in_pass = state_spec.in_pass_taps
-        policy = tap_policy(
-            options, chunk, state_spec.active_slots, state_spec.snapshot_slots, in_pass
+        config = runtime_config(
+            options,
+            device_pages=kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
+            page_bytes=page_bytes,
+            image_bytes=state_spec.image_bytes,
+            active_slots=state_spec.active_slots,
+            snapshot_slots=state_spec.snapshot_slots,
+            chunk=vllm_config.scheduler_config.max_num_batched_tokens,
+            in_pass=state_spec.in_pass_taps,
         )
-        geometry = HostGeometry(page_bytes, state_spec.image_bytes)
-        host_mib = options.host_tier_mib
-        check_host_budget(host_mib, geometry)  # the index's slab pool would refuse it unnamed
-        self.cache = HybridPrefixCache(
-            RuntimeConfig(
-                index=IndexConfig(
-                    device_pages=kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
-                    first_page_id=1,
-                    snapshot_slots=state_spec.snapshot_slots,
-                    geometry=geometry,
-                    host_budget_bytes=host_mib << 20,
-                ),
-                active_slots=state_spec.active_slots,
-                tap_policy=policy,
-                chunk_tokens=chunk,
-                prefix_reuse=not options.no_prefix_reuse,
-                in_pass_taps=in_pass,
-            )
-        )
+        self.cache = HybridPrefixCache(config)
         self.active_slots = state_spec.active_slots
         self.max_model_len = max_model_len
         self.log_stats = log_stats
@@ -123,13 +110,13 @@ class HybridPrefixKVCacheManager:
             state_spec.active_slots,
             state_spec.snapshot_slots,
             state_spec.image_bytes / 2**20,
-            policy.max_new_taps,
-            policy.ladder_tokens,
-            policy.min_gap_tokens,
-            policy.chunk_tokens,
-            "yes" if policy.dense_flexible else "no",
-            "yes" if in_pass else "no (taps split the prefill chunk)",
-            f"{host_mib} MiB" if host_mib else "off",
+            config.tap_policy.max_new_taps,
+            config.tap_policy.ladder_tokens,
+            config.tap_policy.min_gap_tokens,
+            config.tap_policy.chunk_tokens,
+            "yes" if config.tap_policy.dense_flexible else "no",
+            "yes" if config.in_pass_taps else "no (taps split the prefill chunk)",
+            f"{options.host_tier_mib} MiB" if options.host_tier_mib else "off",
             ", prefix reuse off" if options.no_prefix_reuse else "",
         )
 
@@ -331,49 +318,4 @@ def request_info(request: Any, template_hints: tuple[TapHint, ...] = ()) -> Requ
         breakpoints=breakpoints,
         template_hints=template_hints,
         read_cache=not request.skip_reading_prefix_cache,
-    )
-
-
-DENSE_SLOTS_PER_ACTIVE = 2
-"""Snapshot slots per active slot from which taps get denser (beyond the spec)."""
-
-
-IN_PASS_TAP_GRAIN = 2048
-"""Tokens between dense flexible taps when taps are captured inside a pass (the spec's chunk)."""
-IN_PASS_DENSE_TAPS = 16
-"""Taps a prompt may leave when they are dense and captured inside a pass."""
-
-
-def tap_policy(
-    options: PluginOptions, chunk: int, active: int, snapshot_slots: int, in_pass: bool = False
-) -> TapPolicy:
-    """The §14.2 defaults, denser when memory allows, with the user's tap options on top.
-
-    Beyond the spec: with a host tier, or with at least two snapshot slots per running request,
-    flexible taps are also taken at every prefill chunk boundary and a prompt may leave 8 of
-    them: a flexible tap costs one state copy and no forward pass, and supersession and eviction
-    prune what no request comes back to. (Without them, a 24,000-token prompt on an engine with
-    8192-token chunks keeps no state below its last block: the ladder's first rung, n - 16384,
-    lies within the minimum gap of the prompt's start.)
-
-    Where the workers capture taps inside a pass (``in_pass``), a flexible tap costs the same
-    anywhere on a block boundary, not only at a chunk's end: the ladder and the dense taps then
-    follow the spec's 2048-token chunk whatever the engine's chunk, and a prompt may leave 16.
-    """
-    host_tier = options.host_tier_mib > 0
-    grain = min(chunk, IN_PASS_TAP_GRAIN) if in_pass else chunk
-    policy = TapPolicy.for_engine(chunk_tokens=grain, host_tier=host_tier)
-    if host_tier or snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
-        most = IN_PASS_DENSE_TAPS if in_pass else 8
-        policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, most))
-    taps, ladder, gap = (
-        options.cache_taps_per_request,
-        options.cache_tap_ladder,
-        options.cache_tap_min_gap,
-    )
-    return replace(
-        policy,
-        max_new_taps=policy.max_new_taps if taps is None else taps,
-        ladder_tokens=policy.ladder_tokens if ladder is None else ladder,
-        min_gap_tokens=policy.min_gap_tokens if gap is None else gap,
     )

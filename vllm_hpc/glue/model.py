@@ -28,17 +28,13 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeFor
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
+from vllm_hpc.derived import size_state_pool
 from vllm_hpc.glue.in_pass import capture_layer, install_fla_hook
 from vllm_hpc.glue.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OptionError, PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
-
-ACTIVE_SHARE = 0.05
-"""Default cap on active state slots: this share of the cache budget (memory less weights)."""
-SNAPSHOT_SHARE = 0.10
-"""Default snapshot slots: this share of the cache budget (at least C + 2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,39 +206,6 @@ def _in_pass_unavailable(
     if not install_fla_hook():
         return "this vLLM's FLA kernel has no per-chunk states to take"
     return None
-
-
-def size_state_pool(
-    options: PluginOptions, budget: int, image_bytes: int, max_seqs: int
-) -> tuple[int, int]:
-    """(active slots C, snapshot slots D): the options where given, else shares of ``budget``
-    (C capped by max_num_seqs; D at least C + 2 without a host tier, C + 1 with one)."""
-    active = options.active_state_slots
-    if active is None:
-        active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
-    elif active > max_seqs:
-        raise OptionError(
-            f"--active-state-slots {active} is more than --max-num-seqs {max_seqs}: no more "
-            "than that many requests ever run at once"
-        )
-    snapshot = options.device_snapshot_slots
-    if snapshot is None:
-        spare = 2 if options.host_tier_mib == 0 else 1
-        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
-    needed = (1 + active + snapshot) * image_bytes
-    if needed > budget:
-        given = []
-        if options.active_state_slots is not None:
-            given.append(f"--active-state-slots {active}")
-        if options.device_snapshot_slots is not None:
-            given.append(f"--device-snapshot-slots {snapshot}")
-        what = ", ".join(given) or f"the derived {active} active and {snapshot} snapshot slots"
-        raise OptionError(
-            f"{what}: {1 + active + snapshot} state slots of "
-            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
-            f"{budget / 2**30:.2f} GiB of device memory left for caches"
-        )
-    return active, snapshot
 
 
 def _state_bytes(shapes: Any, dtypes: Any) -> int:

@@ -86,6 +86,16 @@ class PlannedTap:
         return self.source.exact
 
 
+SPEC_TAPS = 2
+"""§14.2: new snapshots a prompt may leave without a host tier..."""
+SPEC_TAPS_HOST = 8
+"""...and with one."""
+SPEC_LADDER_TOKENS = 4096
+"""§14.2: the least ladder step G (at least twice the prefill chunk)."""
+SPEC_MIN_GAP_TOKENS = 1024
+"""§14.2: the least gap between a ladder tap and any other snapshot (at least one chunk)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TapPolicy:
     max_new_taps: int = 8
@@ -107,9 +117,9 @@ class TapPolicy:
     ) -> TapPolicy:
         """The §14.2 defaults for a prefill chunk size and host tier presence."""
         return cls(
-            max_new_taps=8 if host_tier else 2,
-            ladder_tokens=max(4096, 2 * chunk_tokens),
-            min_gap_tokens=max(1024, chunk_tokens),
+            max_new_taps=SPEC_TAPS_HOST if host_tier else SPEC_TAPS,
+            ladder_tokens=max(SPEC_LADDER_TOKENS, 2 * chunk_tokens),
+            min_gap_tokens=max(SPEC_MIN_GAP_TOKENS, chunk_tokens),
             chunk_tokens=chunk_tokens,
             dense_flexible=dense_flexible,
         )

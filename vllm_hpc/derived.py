@@ -1,0 +1,169 @@
+"""Derived configuration: what the plugin computes from its options and the engine's sizes.
+
+Free of torch and vLLM, so the scheduler process, the workers and the options' help text
+(`vllm_hpc.options`) share one copy of every default: the state pool's sizing, the tap density,
+the host budget check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.index.tap_planner import (
+    SPEC_LADDER_TOKENS,
+    SPEC_MIN_GAP_TOKENS,
+    SPEC_TAPS,
+    SPEC_TAPS_HOST,
+)
+from vllm_hpc.options import OptionError
+from vllm_hpc.runtime.cache import RuntimeConfig
+
+if TYPE_CHECKING:
+    from vllm_hpc.options import PluginOptions
+
+ACTIVE_SHARE = 0.05
+"""Default cap on active state slots: this share of the cache budget (memory less weights)."""
+SNAPSHOT_SHARE = 0.10
+"""Default snapshot slots: this share of the cache budget, at least C + these spares:"""
+SPARE_SLOTS = 2
+SPARE_SLOTS_WITH_HOST = 1
+
+DENSE_SLOTS_PER_ACTIVE = 2
+"""Snapshot slots per active slot from which taps get denser (beyond the spec)."""
+DENSE_TAPS = 8
+"""Taps a prompt may leave when they are dense (beyond the spec)."""
+IN_PASS_TAP_GRAIN = 2048
+"""Tokens between dense flexible taps when taps are captured inside a pass (the spec's chunk)."""
+IN_PASS_DENSE_TAPS = 16
+"""Taps a prompt may leave when they are dense and captured inside a pass."""
+
+HELP_DEFAULTS = {
+    "active_share": f"{ACTIVE_SHARE:.0%}%",  # argparse formats help with %: "5%%" shows "5%"
+    "snapshot_share": f"{SNAPSHOT_SHARE:.0%}%",
+    "spare_slots": SPARE_SLOTS,
+    "spare_slots_host": SPARE_SLOTS_WITH_HOST,
+    "spec_taps": SPEC_TAPS,
+    "dense_taps": max(DENSE_TAPS, SPEC_TAPS_HOST),
+    "in_pass_taps": IN_PASS_DENSE_TAPS,
+    "dense_slots": DENSE_SLOTS_PER_ACTIVE,
+    "ladder": SPEC_LADDER_TOKENS,
+    "min_gap": SPEC_MIN_GAP_TOKENS,
+    "in_pass_grain": IN_PASS_TAP_GRAIN,
+}
+"""The defaults the options' help text states (`OptionSpec.help` fields)."""
+
+
+def tap_policy(
+    options: PluginOptions, chunk: int, active: int, snapshot_slots: int, in_pass: bool = False
+) -> TapPolicy:
+    """The §14.2 defaults, denser when memory allows, with the user's tap options on top.
+
+    Beyond the spec: with a host tier, or with at least two snapshot slots per running request,
+    flexible taps are also taken at every prefill chunk boundary and a prompt may leave 8 of
+    them: a flexible tap costs one state copy and no forward pass, and supersession and eviction
+    prune what no request comes back to. (Without them, a 24,000-token prompt on an engine with
+    8192-token chunks keeps no state below its last block: the ladder's first rung, n - 16384,
+    lies within the minimum gap of the prompt's start.)
+
+    Where the workers capture taps inside a pass (``in_pass``), a flexible tap costs the same
+    anywhere on a block boundary, not only at a chunk's end: the ladder and the dense taps then
+    follow the spec's 2048-token chunk whatever the engine's chunk, and a prompt may leave 16.
+    """
+    host_tier = options.host_tier_mib > 0
+    grain = min(chunk, IN_PASS_TAP_GRAIN) if in_pass else chunk
+    policy = TapPolicy.for_engine(chunk_tokens=grain, host_tier=host_tier)
+    if host_tier or snapshot_slots >= DENSE_SLOTS_PER_ACTIVE * active:
+        most = IN_PASS_DENSE_TAPS if in_pass else DENSE_TAPS
+        policy = replace(policy, dense_flexible=True, max_new_taps=max(policy.max_new_taps, most))
+    taps, ladder, gap = (
+        options.cache_taps_per_request,
+        options.cache_tap_ladder,
+        options.cache_tap_min_gap,
+    )
+    return replace(
+        policy,
+        max_new_taps=policy.max_new_taps if taps is None else taps,
+        ladder_tokens=policy.ladder_tokens if ladder is None else ladder,
+        min_gap_tokens=policy.min_gap_tokens if gap is None else gap,
+    )
+
+
+def size_state_pool(
+    options: PluginOptions, budget: int, image_bytes: int, max_seqs: int
+) -> tuple[int, int]:
+    """(active slots C, snapshot slots D): the options where given, else shares of ``budget``
+    (C capped by max_num_seqs; D at least C + 2 without a host tier, C + 1 with one)."""
+    active = options.active_state_slots
+    if active is None:
+        active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
+    elif active > max_seqs:
+        raise OptionError(
+            f"--active-state-slots {active} is more than --max-num-seqs {max_seqs}: no more "
+            "than that many requests ever run at once"
+        )
+    snapshot = options.device_snapshot_slots
+    if snapshot is None:
+        spare = SPARE_SLOTS if options.host_tier_mib == 0 else SPARE_SLOTS_WITH_HOST
+        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
+    needed = (1 + active + snapshot) * image_bytes
+    if needed > budget:
+        given = []
+        if options.active_state_slots is not None:
+            given.append(f"--active-state-slots {active}")
+        if options.device_snapshot_slots is not None:
+            given.append(f"--device-snapshot-slots {snapshot}")
+        what = ", ".join(given) or f"the derived {active} active and {snapshot} snapshot slots"
+        raise OptionError(
+            f"{what}: {1 + active + snapshot} state slots of "
+            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
+            f"{budget / 2**30:.2f} GiB of device memory left for caches"
+        )
+    return active, snapshot
+
+
+def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
+    """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
+    option (0, no host tier, passes). Checked once the model's block and state sizes are known."""
+    slab = geometry.slab_bytes
+    minimum = geometry.min_budget_slabs
+    if host_cache_mib and (host_cache_mib << 20) // slab < minimum:
+        need_mib = -(-minimum * slab // (1 << 20))
+        raise OptionError(
+            f"--host-cache-mib {host_cache_mib} is smaller than one snapshot with its tail plus "
+            f"one block ({minimum} slabs of {slab} bytes: at least {need_mib} MiB); use 0 to "
+            "disable the host tier"
+        )
+
+
+def runtime_config(
+    options: PluginOptions,
+    *,
+    device_pages: int,
+    page_bytes: int,
+    image_bytes: int,
+    active_slots: int,
+    snapshot_slots: int,
+    chunk: int,
+    in_pass: bool,
+) -> RuntimeConfig:
+    """The scheduler's cache configuration, from the options and what vLLM sized: KV pages
+    (ids from 1: vLLM's block 0 is its null block) of ``page_bytes`` over every attention
+    layer, the state pool's slots of ``image_bytes``, the prefill chunk."""
+    geometry = HostGeometry(page_bytes, image_bytes)
+    check_host_budget(options.host_tier_mib, geometry)  # the slab pool would refuse it unnamed
+    return RuntimeConfig(
+        index=IndexConfig(
+            device_pages=device_pages,
+            first_page_id=1,
+            snapshot_slots=snapshot_slots,
+            geometry=geometry,
+            host_budget_bytes=options.host_tier_mib << 20,
+        ),
+        active_slots=active_slots,
+        tap_policy=tap_policy(options, chunk, active_slots, snapshot_slots, in_pass),
+        chunk_tokens=chunk,
+        prefix_reuse=not options.no_prefix_reuse,
+        in_pass_taps=in_pass,
+    )

@@ -78,7 +78,7 @@ def restore_totals() -> tuple[int, float]:
     """Bytes and seconds of the host restores the (in-process) worker has timed so far."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().meter.totals["restore"]
+    return get_kv_transfer_group().worker.meter.totals["restore"]
 
 
 def pinned_peak_gbps(nbytes: int = 2**30) -> float:

@@ -1,0 +1,37 @@
+"""What the two halves of `HybridPrefixConnector` send each other every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from vllm_hpc.runtime.plan import HostRestore, HostWrite, InPassCapture, StateCopy
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """What the workers copy for one step (`vllm_hpc.runtime.plan`, less vLLM's page copies)."""
+
+    state_copies: list[StateCopy] = field(default_factory=list)
+    in_pass: list[InPassCapture] = field(default_factory=list)
+    host_writes: list[HostWrite] = field(default_factory=list)
+    host_restores: list[HostRestore] = field(default_factory=list)
+    prefetches: list[HostRestore] = field(default_factory=list)
+
+
+@dataclass
+class WritesLanded(KVConnectorWorkerMetadata):
+    """Write-through batches that have landed, with how many workers reported each."""
+
+    batches: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, WritesLanded)
+        merged = dict(self.batches)
+        for batch, count in other.batches.items():
+            merged[batch] = merged.get(batch, 0) + count
+        return WritesLanded(merged)

@@ -1,0 +1,46 @@
+"""The scheduler's half of `HybridPrefixConnector`: it hands each step's worker plan to the
+workers and completes the write batches every worker has landed; it reports the cache's
+counters and levels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
+from vllm_hpc.glue.metrics import HybridPrefixStats, TelemetryReader
+
+
+class ConnectorScheduler:
+    def __init__(self, world_size: int) -> None:
+        self._world_size = world_size
+        self._manager: Any = None
+        self._telemetry = TelemetryReader()
+        self._landed: dict[int, int] = {}
+        """Workers' reports of write batches not yet landed on every worker."""
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
+
+    def stats(self) -> HybridPrefixStats | None:
+        if self._manager is None:  # asked before the scheduler built its manager
+            return None
+        return self._telemetry.read(self._manager.cache.telemetry())
+
+    def build_connector_meta(self) -> StepMetadata:
+        plan = self._manager.take_worker_plan()
+        return StepMetadata(
+            plan.state_copies, plan.in_pass, plan.host_writes, plan.host_restores, plan.prefetches
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Write batches every worker has landed complete in the index."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, WritesLanded):
+            return
+        done = []
+        for batch, count in meta.batches.items():
+            self._landed[batch] = self._landed.get(batch, 0) + count
+            if self._landed[batch] >= self._world_size:
+                done.append(batch)
+                del self._landed[batch]
+        self._manager.cache.complete_writes(done)

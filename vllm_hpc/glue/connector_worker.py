@@ -1,0 +1,127 @@
+"""The workers' half of `HybridPrefixConnector`: each step's state copies and in-pass
+captures, the host tier's write-through batches and layer-pipelined restores, and the
+reports of which write batches have landed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
+from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
+from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
+from vllm_hpc.glue.host_layout import DeviceLayout
+from vllm_hpc.glue.in_pass import StepCaptures
+from vllm_hpc.glue.metrics import HybridPrefixStats, TransferMeter
+from vllm_hpc.options import PluginOptions
+
+logger = logging.getLogger("vllm.vllm_hpc")
+
+
+class ConnectorWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self.meter = TransferMeter()
+        """The host tier's copies, timed."""
+        self._pool: Any = None
+        self._arena: HostArena | None = None
+        self._writing: list[tuple[int, TransferHandle]] = []
+        self._restores: list[RestoreHandle] = []
+        self._prefetches: list[RestoreHandle] = []
+
+    def stats(self) -> HybridPrefixStats | None:
+        return self.meter.read()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Bind the host tier to the attention KV caches and the state pool."""
+        options = PluginOptions.from_additional_config(self._vllm_config.additional_config)
+        host_mib = options.host_tier_mib
+        if not host_mib:
+            return
+        pool = self._state_pool()
+        layout = DeviceLayout.bind(kv_caches, self._kv_cache_config.num_blocks, pool)
+        grid = SlabGrid.for_budget(host_mib, layout.geometry)
+        # Pinning takes seconds per 10 GiB: say so before, and how long it took after.
+        logger.info(
+            "hybrid-prefix host tier: allocating %d MiB (%d slabs of %.2f MiB in %d chunks)%s",
+            host_mib,
+            grid.capacity,
+            grid.slab_bytes / 2**20,
+            len(grid.chunk_slabs),
+            ", pinned" if layout.device.type == "cuda" else "",
+        )
+        started = time.perf_counter()
+        self._arena = HostArena(layout, grid)
+        logger.info("hybrid-prefix host tier ready in %.1f s", time.perf_counter() - started)
+        pool.restores = self._restores
+
+    def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
+        # Later kernels must not overtake the previous step's restores, wherever they read.
+        for handle in [*self._restores, *self._prefetches]:
+            handle.wait_all()
+        self._restores.clear()
+        self._prefetches.clear()
+        pool = self._state_pool()
+        if connector_metadata.state_copies:
+            pool.copy(connector_metadata.state_copies)
+        captures = connector_metadata.in_pass
+        pool.in_pass = StepCaptures.build(captures, pool.device) if captures else None
+        arena = self._arena
+        if arena is None:
+            return
+        for write in connector_metadata.host_writes:
+            self._writing.append((write.batch, arena.write(write.blocks, write.images)))
+            self.meter.track("write", self._writing[-1][1])
+        for restore in connector_metadata.host_restores:
+            self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
+        for prefetch in connector_metadata.prefetches:
+            self._prefetches.append(arena.restore(prefetch.blocks))
+        for handle in [*self._restores, *self._prefetches]:
+            self.meter.track("restore", handle)
+        if self._restores and _full_graph_follows():
+            # A FULL CUDA graph runs no Python: neither `wait_for_layer_load` nor the GDN
+            # layers' `pool.wait_restored`. Such a step (a one-token resume among decodes) is
+            # short; let it start behind the whole restore (stream waits, no host sync).
+            for handle in self._restores:
+                handle.wait_all()
+
+    def clear_connector_metadata(self) -> None:
+        """After the step's forward pass: its in-pass captures are saved, and a later pass
+        (a warm-up, a dummy run) must not save them again over the slots."""
+        if self._pool is not None:
+            self._pool.in_pass = None
+
+    def build_connector_worker_meta(self) -> WritesLanded | None:
+        """Report the write batches that have landed since the last step."""
+        landed = [batch for batch, handle in self._writing if handle.done()]
+        if not landed:
+            return None
+        self._writing = [(b, h) for b, h in self._writing if b not in landed]
+        return WritesLanded(dict.fromkeys(landed, 1))
+
+    def _state_pool(self) -> Any:
+        if self._pool is None:
+            from vllm_hpc.glue.model import HybridPrefixGDN
+
+            layers = self._vllm_config.compilation_config.static_forward_context.values()
+            gdn = next(layer for layer in layers if isinstance(layer, HybridPrefixGDN))
+            self._pool = gdn.state_pool
+        return self._pool
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """An attention layer is about to read its KV: wait for this step's restores of it."""
+        for handle in self._restores:
+            handle.wait_layer(layer_name)
+
+
+def _full_graph_follows() -> bool:
+    """Whether the pass this step's metadata is bound for replays a FULL CUDA graph. V2 binds
+    before a FULL replay outside the forward context and before other passes inside it
+    (`vllm/v1/worker/gpu/model_runner.py` execute_model); V1 binds inside it, mode set."""
+    if not is_forward_context_available():
+        return True
+    return get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL

@@ -201,13 +201,37 @@ def test_a_request_aborted_while_waiting(hybrid: Any, cold: Any) -> None:
     engine.step()  # the first chunk of "running" takes the whole 512-token budget
     assert cache_of(hybrid).telemetry()["active_slots_used"] == 1  # "waiting" is not admitted
     engine.abort_request(["waiting"])
+    outputs = _drain(engine)
+    assert list(outputs) == ["running"]
+    assert_same_up_to_near_tie(outputs["running"], cold, running, ANSWER)
+
+
+def _drain(engine: Any) -> dict[str, Any]:
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
-    assert list(outputs) == ["running"]
-    assert_same_up_to_near_tie(outputs["running"], cold, running, ANSWER)
+    return outputs
+
+
+def test_coalesced_requests_survive_the_abort_of_the_one_they_wait_for(
+    hybrid: Any, cold: Any
+) -> None:
+    """Identical prompts arriving together wait for the first one's tap. Aborted mid-prefill,
+    that first one publishes nothing more; the waiters are not stranded: they are served, and
+    exactly. An aborted waiter leaves nothing behind either."""
+    prompt = random_prompt(seed=95, length=1300)
+    engine = hybrid.llm_engine
+    for name in ("head", "waiter-1", "waiter-2", "quitter"):
+        engine.add_request(name, {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    engine.step()  # the head's first 512-token chunk; the others wait behind it
+    assert cache_of(hybrid).telemetry()["active_slots_used"] == 1
+    engine.abort_request(["head", "quitter"])
+    outputs = _drain(engine)
+    assert sorted(outputs) == ["waiter-1", "waiter-2"]
+    for out in outputs.values():
+        assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
 
 
 def test_parallel_sampling_and_prompt_logprobs(hybrid: Any) -> None:

@@ -157,6 +157,35 @@ def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) ->
     assert_same_up_to_near_tie(outputs["head"], cold, head, ANSWER)
 
 
+def test_a_blocked_head_aborted_while_its_prefetch_runs(hosted: Any, cold: Any) -> None:
+    """The head's host-only blocks are being copied into spare pages when its client gives up:
+    the copies land as cache-owned pages, nothing stays held (the audit), and the same prompt
+    is then served exactly."""
+    cache = cache_of(hosted)
+    prompt = random_prompt(seed=65, length=1500)
+    greedy(hosted, [prompt], 4)
+    push_off_device(hosted, seed=450)
+    engine = hosted.llm_engine
+    for i in range(2):
+        busy = random_prompt(seed=460 + i, length=1600)
+        engine.add_request(f"busy-{i}", {"prompt_token_ids": busy}, greedy_params(48))
+    engine.step()
+    before = cache.index.stats.blocks_prefetched
+    engine.add_request("head", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    for _ in range(8):
+        engine.step()
+        if cache.index.stats.blocks_prefetched > before:
+            break
+    assert cache.index.stats.blocks_prefetched > before  # its prefetch was issued
+    engine.abort_request(["head"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    cache.audit()
+    out = greedy(hosted, [prompt], ANSWER)[0]
+    assert out.num_cached_tokens == 1472
+    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+
+
 def test_reset_prefix_cache_right_after_a_request(hosted: Any, cold: Any) -> None:
     """vLLM's reset works as soon as no request runs, even with the last request's endpoint
     capture and write-through still pending; afterwards nothing is cached and answers are

@@ -46,6 +46,10 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         llm = LLM(**llm_kwargs(**overrides))
+    except Exception:
+        if in_process:  # a start-up that failed half-way leaves its agent bound too
+            ensure_kv_transfer_shutdown()
+        raise
     finally:
         if previous is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

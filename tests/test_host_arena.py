@@ -6,6 +6,8 @@ workers use to hand each layer its ``[B, H, N, C]`` view, for every `KVCacheLayo
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -16,6 +18,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_hpc import faults
+from vllm_hpc.glue import host_arena
 from vllm_hpc.glue.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.host_layout import DeviceLayout
 from vllm_hpc.glue.metrics import TransferMeter
@@ -276,3 +280,20 @@ def test_transfer_meter_reports_landed_copies_as_seconds_and_bandwidth() -> None
         assert stats.data[f"host_{kind}_bytes_per_second"] == pytest.approx(nbytes / seconds)
     assert meter.read() is None  # each batch is reported once
     assert meter.totals["write"][0] == 2 * block and meter.totals["restore"][0] == block
+
+
+def test_a_failed_chunk_allocation_names_the_option_and_releases_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Injected (`VLLM_HPC_FAULTS=host_alloc:1`): the second of three chunks cannot be had. The
+    start-up error names --host-cache-mib, and the chunk already taken is released with the
+    half-built arena (its finalizer runs on it, as it unpins on CUDA)."""
+    released: list[int] = []
+    monkeypatch.setattr(faults, "_ARMED", frozenset({"host_alloc:1"}))
+    monkeypatch.setattr(
+        host_arena, "_unregister", lambda cuda, chunks: released.append(len(chunks))
+    )
+    with pytest.raises(RuntimeError, match=r"host tier chunk 1 .*--host-cache-mib"):
+        _arena(capacity=40, slabs_per_chunk=16)
+    gc.collect()
+    assert released == [1]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_hpc.derived import check_host_budget
+from vllm_hpc.faults import InjectedFault, armed
 from vllm_hpc.glue.cudart import CudaRuntime
 from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
@@ -206,6 +207,8 @@ class HostArena:
     def _allocate(self, index: int, nbytes: int) -> torch.Tensor:
         what = f"host tier chunk {index} ({nbytes / 2**30:.2f} GiB)"
         try:
+            if armed(f"host_alloc:{index}"):
+                raise InjectedFault("injected allocation failure")
             chunk = torch.empty(nbytes, dtype=torch.uint8)
             if self._cuda is not None:
                 self._cuda.host_register(chunk.data_ptr(), nbytes)

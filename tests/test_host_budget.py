@@ -1,13 +1,10 @@
 """The scheduler's check of --host-cache-mib against the model's sizes, before the index builds
-its one slab pool; and an engine whose host tier cannot be allocated."""
+its one slab pool."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from vllm_hpc import faults
 from vllm_hpc.derived import check_host_budget
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.options import OptionError
@@ -40,24 +37,3 @@ def test_the_check_agrees_with_the_slab_pool(block_bytes: int, image_bytes: int)
             check_host_budget(mib, geometry)
     with pytest.raises(OptionError):
         check_host_budget(need_mib - 1, geometry)
-
-
-@pytest.mark.engine
-def test_an_engine_whose_host_tier_cannot_be_allocated_fails_naming_the_option(
-    tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Injected (`VLLM_HPC_FAULTS=host_alloc:0`, in-process so the worker sees it): start-up
-    fails with the chunk's size and --host-cache-mib in the error, not somewhere later."""
-    from engine_support import running_llm
-
-    monkeypatch.setattr(faults, "_ARMED", frozenset({"host_alloc:0"}))
-    config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 64}
-    engine = running_llm(in_process=True, additional_config=config, max_model_len=2048)
-    with pytest.raises(Exception) as caught, engine:
-        pass
-    chain = []
-    error: BaseException | None = caught.value
-    while error is not None:
-        chain.append(str(error))
-        error = error.__cause__ or error.__context__
-    assert any("host tier chunk 0" in m and "--host-cache-mib" in m for m in chain), chain

@@ -4,7 +4,9 @@ Off unless the environment variable `VLLM_HPC_FAULTS` names them (comma-separate
 when this module is imported), so production pays one set lookup where a point is reached.
 Each point is documented where it fires; tests arm them in the processes they start.
 
-- `host_alloc:N`: allocating (or pinning) host tier chunk N fails at start-up.
+- `host_alloc:N`: allocating (or pinning) host tier chunk N fails at start-up;
+- `host_write`, `host_restore`: every write-through batch, or every restore and prefetch, fails
+  in the worker before its copies are issued.
 """
 
 from __future__ import annotations

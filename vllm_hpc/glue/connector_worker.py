@@ -21,6 +21,10 @@ from vllm_hpc.options import PluginOptions
 logger = logging.getLogger("vllm.vllm_hpc")
 
 
+class HostTierError(RuntimeError):
+    """A host tier copy failed in a worker; the message says what it means for the engine."""
+
+
 class ConnectorWorker:
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         self._vllm_config = vllm_config
@@ -73,13 +77,22 @@ class ConnectorWorker:
         arena = self._arena
         if arena is None:
             return
-        for write in connector_metadata.host_writes:
-            self._writing.append((write.batch, arena.write(write.blocks, write.images)))
-            self.meter.track("write", self._writing[-1][1])
-        for restore in connector_metadata.host_restores:
-            self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
-        for prefetch in connector_metadata.prefetches:
-            self._prefetches.append(arena.restore(prefetch.blocks))
+        try:
+            for write in connector_metadata.host_writes:
+                self._writing.append((write.batch, arena.write(write.blocks, write.images)))
+                self.meter.track("write", self._writing[-1][1])
+            for restore in connector_metadata.host_restores:
+                self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
+            for prefetch in connector_metadata.prefetches:
+                self._prefetches.append(arena.restore(prefetch.blocks))
+        except Exception as error:
+            # vLLM makes a worker's error engine-wide; say once what failed and what it means.
+            raise HostTierError(
+                f"hybrid-prefix host tier: a copy between the device and the host failed in "
+                f"this worker ({type(error).__name__}: {error}). The engine stops; a restarted "
+                "engine starts with an empty host tier (its device and host copies are not "
+                "reused)."
+            ) from error
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
         if self._restores and _full_graph_follows():

@@ -226,7 +226,9 @@ class HostArena:
         self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
     ) -> TransferHandle:
         """Write-through, device -> host, in one batch (a snapshot's tail page is one of the
-        ``blocks``)."""
+        ``blocks``). Fault point `host_write`: the batch fails before any copy is issued."""
+        if armed("host_write"):
+            raise InjectedFault("injected write-through failure")
         steps = self._layer_steps(self._runs(blocks), images, to_host=True)
         nbytes = _bytes(steps)
         self.stats.write_batches += 1
@@ -241,7 +243,9 @@ class HostArena:
         image: ImageCopy | None = None,
     ) -> RestoreHandle:
         """Restore, host -> device, in forward-pass order; ``tail`` lands in the prelude,
-        before the first layer's step."""
+        before the first layer's step. Fault point `host_restore`: it fails before any copy."""
+        if armed("host_restore"):
+            raise InjectedFault("injected restore failure")
         runs = self._runs(blocks)
         prelude = _Step(None)
         for page, slab, _ in self._runs([tail] if tail is not None else []):

@@ -130,19 +130,27 @@ def test_cancelled_while_restoring(hosted: Any, cold: Any) -> None:
     assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
 
 
+def _host_only_prompt_behind_busy_requests(hosted: Any, seed: int) -> tuple[list[int], Any]:
+    """A 1,500-token prompt whose blocks lie on the host only, and two long requests started
+    beside it that hold most of the 59 pages: a request for the prompt now waits at the head of
+    the queue. Returns the prompt and the engine, stepped once."""
+    prompt = random_prompt(seed=seed, length=1500)
+    greedy(hosted, [prompt], 4)
+    push_off_device(hosted, seed=seed * 10)
+    engine = hosted.llm_engine
+    for i in range(2):
+        busy = random_prompt(seed=seed * 10 + 10 + i, length=1600)
+        engine.add_request(f"busy-{i}", {"prompt_token_ids": busy}, greedy_params(48))
+    engine.step()
+    return prompt, engine
+
+
 def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) -> None:
     """Two long requests hold most of the 59 pages; the head, whose source lies on the host,
     cannot be admitted: while it waits, spare pages receive its host-only blocks (§6.6), and
     its admission then restores only the rest. Its answer is the cold one."""
     cache = cache_of(hosted)
-    prompt = random_prompt(seed=60, length=1500)
-    greedy(hosted, [prompt], 4)
-    push_off_device(hosted, seed=400)
-    engine = hosted.llm_engine
-    for i in range(2):
-        busy = random_prompt(seed=410 + i, length=1600)
-        engine.add_request(f"busy-{i}", {"prompt_token_ids": busy}, greedy_params(48))
-    engine.step()
+    prompt, engine = _host_only_prompt_behind_busy_requests(hosted, seed=60)
     before = cache.index.stats.blocks_prefetched
     head = [*prompt, *random_prompt(seed=61, length=100)]
     engine.add_request("head", {"prompt_token_ids": head}, greedy_params(ANSWER))
@@ -162,14 +170,7 @@ def test_a_blocked_head_aborted_while_its_prefetch_runs(hosted: Any, cold: Any) 
     the copies land as cache-owned pages, nothing stays held (the audit), and the same prompt
     is then served exactly."""
     cache = cache_of(hosted)
-    prompt = random_prompt(seed=65, length=1500)
-    greedy(hosted, [prompt], 4)
-    push_off_device(hosted, seed=450)
-    engine = hosted.llm_engine
-    for i in range(2):
-        busy = random_prompt(seed=460 + i, length=1600)
-        engine.add_request(f"busy-{i}", {"prompt_token_ids": busy}, greedy_params(48))
-    engine.step()
+    prompt, engine = _host_only_prompt_behind_busy_requests(hosted, seed=65)
     before = cache.index.stats.blocks_prefetched
     engine.add_request("head", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
     for _ in range(8):

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from vllm_hpc.exactness import Parting, first_parting
 from vllm_hpc.glue.kv_manager import AUDIT_ENV
 
 START_TIMEOUT_S = 300
@@ -36,9 +37,11 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(model: Path, log: Path, *extra: str) -> Iterator[tuple[str, int]]:
-    """An OpenAI server with hybrid-prefix on ``model`` (eager, 4096-token context unless
-    ``extra`` says otherwise); yields its base URL and process id."""
+def running_server(
+    model: Path, log: Path, *extra: str, max_model_len: int = 4096
+) -> Iterator[tuple[str, int]]:
+    """An OpenAI server with hybrid-prefix on ``model`` (eager), with vLLM's options ``extra``;
+    yields its base URL and process id."""
     port = _free_port()
     command = [
         sys.executable,
@@ -52,7 +55,7 @@ def running_server(model: Path, log: Path, *extra: str) -> Iterator[tuple[str, i
         str(port),
         "--enforce-eager",
         "--max-model-len",
-        "4096",
+        str(max_model_len),
         "--enable-prompt-tokens-details",
         "--kv-cache-manager",
         "hybrid-prefix",
@@ -96,6 +99,35 @@ def post(base: str, body: dict[str, Any], endpoint: str = "completions") -> tupl
     """POST ``body`` as JSON; the status and the decoded answer."""
     status, text = post_raw(base, json.dumps(body).encode(), endpoint)
     return status, json.loads(text or "{}")
+
+
+def greedy_body(
+    model: str, prompt: list[int], max_tokens: int, cold_salt: str | None = None
+) -> dict[str, Any]:
+    """A greedy completion of token ids that returns its token ids. With ``cold_salt``, a cold
+    reference: the salt misses every cache entry, and the top-2 logprobs give each token's
+    margin (`parting_from_cold`)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if cold_salt is not None:
+        body.update(cache_salt=cold_salt, logprobs=2)
+    return body
+
+
+def parting_from_cold(tokens: list[int], cold_choice: dict[str, Any]) -> Parting | None:
+    """Where ``tokens`` first part from a cold reference's choice (`greedy_body` with a salt),
+    with the cold run's top-1 margin there; None when they are the same."""
+    margins = []
+    for top in cold_choice["logprobs"]["top_logprobs"]:
+        best = sorted(top.values(), reverse=True)
+        margins.append(best[0] - best[1])
+    return first_parting(tokens, cold_choice["token_ids"], margins)
 
 
 def model_id(base: str) -> str:

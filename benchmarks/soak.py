@@ -47,9 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from openai_server import metrics, model_id, post, running_server
+from openai_server import (
+    greedy_body,
+    metrics,
+    model_id,
+    parting_from_cold,
+    post,
+    running_server,
+)
 
-from vllm_hpc.exactness import first_parting
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, tiny_model_path
 
 KINDS = ("echo", "branch", "edit", "retry", "preamble", "cancel", "abort", "fresh")
@@ -101,17 +107,7 @@ class Client:
         self.model = model_id(base)
 
     def complete(self, prompt: list[int], max_tokens: int, salt: str | None = None) -> Any:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        if salt is not None:
-            body.update(cache_salt=salt, logprobs=2)
-        status, answer = post(self.base, body)
+        status, answer = post(self.base, greedy_body(self.model, prompt, max_tokens, salt))
         if status != 200:
             raise RuntimeError(f"status {status}: {json.dumps(answer)[:300]}")
         return answer
@@ -222,12 +218,7 @@ def check_exact(client: Client, tally: Tally, count: int, seed: int) -> list[str
     partings = []
     for k, served in enumerate(sample_):
         cold = client.complete(served.prompt, len(served.tokens), salt=f"soak-cold-{k}")
-        choice = cold["choices"][0]
-        margins = []
-        for top in choice["logprobs"]["top_logprobs"]:
-            best = sorted(top.values(), reverse=True)
-            margins.append(best[0] - best[1])
-        parting = first_parting(served.tokens, choice["token_ids"], margins)
+        parting = parting_from_cold(served.tokens, cold["choices"][0])
         if parting is not None and not parting.near_tie:
             partings.append(parting.describe())
     return partings
@@ -253,8 +244,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = (
         "--gpu-memory-utilization",
         "0.2",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
         "--max-num-seqs",
         str(CONCURRENCY),
         "--max-num-batched-tokens",
@@ -267,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "12",
     )
     t0 = time.monotonic()
-    with running_server(tiny_model_path(), log, *extra) as (base, pid):
+    server = running_server(tiny_model_path(), log, *extra, max_model_len=MAX_MODEL_LEN)
+    with server as (base, pid):
         client = Client(base)
         client.complete(_tokens(random.Random(1), 100), 2)  # warm: the baseline after it
         rss_before = resident_bytes(pid)

@@ -14,9 +14,17 @@ from typing import Any
 import pytest
 import torch
 from engine_support import random_prompt
-from openai_server import metrics, model_id, post, post_raw, running_server, sample
+from openai_server import (
+    greedy_body,
+    metrics,
+    model_id,
+    parting_from_cold,
+    post,
+    post_raw,
+    running_server,
+    sample,
+)
 
-from vllm_hpc.exactness import first_parting
 from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.engine
@@ -30,17 +38,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def _complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    status, body = post(
-        base,
-        {
-            "model": model_id(base),
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
+    status, body = post(base, greedy_body(model_id(base), prompt, max_tokens))
     assert status == 200, body
     return body
 
@@ -109,27 +107,13 @@ def _assert_matches_cold(base: str, reply: dict[str, Any]) -> None:
     """The greedy tokens equal a cold run of the same prompt ids (a fresh cache salt misses
     every entry), except at a near-tie of the cold run (`vllm_hpc.exactness`)."""
     answer = reply["choices"][0]["token_ids"]
+    salt = f"cold-{random.random()}"
     status, cold = post(
-        base,
-        {
-            "model": model_id(base),
-            "prompt": reply["prompt_token_ids"],
-            "max_tokens": len(answer),
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "logprobs": 2,
-            "cache_salt": f"cold-{random.random()}",
-        },
+        base, greedy_body(model_id(base), reply["prompt_token_ids"], len(answer), salt)
     )
     assert status == 200, cold
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    choice = cold["choices"][0]
-    margins = []
-    for top in choice["logprobs"]["top_logprobs"]:
-        best = sorted(top.values(), reverse=True)
-        margins.append(best[0] - best[1])
-    parting = first_parting(answer, choice["token_ids"], margins)
+    parting = parting_from_cold(answer, cold["choices"][0])
     assert parting is None or parting.near_tie, parting.describe()
 
 

@@ -17,6 +17,10 @@ HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
 """Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
 ``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
+SHARED_GPU_ENV = "VLLM_HPC_TEST_KV_CACHE_GIB"
+"""Set on a CUDA machine to run several test processes on one GPU at once: every test engine
+then gets that fixed KV budget (``kv_cache_memory_bytes``, no memory profiling that a neighbour
+could skew) and asks vLLM for only 5% of the device at start-up."""
 
 
 @contextmanager
@@ -40,6 +44,10 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
             **overrides.get("additional_config", {}),
             "gdn_prefill_backend": backend,
         }
+    shared_gib = os.environ.get(SHARED_GPU_ENV)
+    if shared_gib:
+        overrides.setdefault("kv_cache_memory_bytes", int(float(shared_gib) * 2**30))
+        overrides.setdefault("gpu_memory_utilization", 0.05)
     envs.disable_envs_cache()
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if in_process:

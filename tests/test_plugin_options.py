@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -289,7 +290,11 @@ def test_taps_saved_in_the_pass_follow_the_spec_grain_whatever_the_chunk() -> No
     ],
 )
 def test_hybrid_prefix_selects_the_gdn_prefill_kernel_unless_the_user_did(
-    tiny_model_dir: Path, flag: str | None, key: str | None, chosen: str
+    tiny_model_dir: Path,
+    flag: str | None,
+    key: str | None,
+    chosen: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -297,8 +302,15 @@ def test_hybrid_prefix_selects_the_gdn_prefill_kernel_unless_the_user_did(
     if key is not None:
         config["gdn_prefill_backend"] = key
     args = EngineArgs(model=str(tiny_model_dir), gdn_prefill_backend=flag, additional_config=config)
-    vllm_config = args.create_engine_config()
+    plugin_log = logging.getLogger("vllm.vllm_hpc")  # vLLM's loggers may not propagate
+    plugin_log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger=plugin_log.name)
+    try:
+        vllm_config = args.create_engine_config()
+    finally:
+        plugin_log.removeHandler(caplog.handler)
     assert vllm_config.additional_config["gdn_prefill_backend"] == chosen
+    assert f"GDN prefill kernel {chosen}" in caplog.text
 
 
 def test_a_gdn_prefill_flag_and_key_that_disagree_are_refused(tiny_model_dir: Path) -> None:

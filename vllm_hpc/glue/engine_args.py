@@ -199,6 +199,13 @@ def default_gdn_prefill_backend(args: Any) -> None:
         )
     if flag is None and given is None:
         config[GDN_PREFILL_KEY] = GDN_PREFILL_DEFAULT
+        logger.info(
+            "hybrid-prefix: GDN prefill kernel %s selected (its chunk states allow taps inside "
+            "a prefill pass); --gdn-prefill-backend chooses another",
+            GDN_PREFILL_DEFAULT,
+        )
+    else:
+        logger.info("hybrid-prefix: GDN prefill kernel %s, as given", flag or given)
     args.additional_config = config
 
 

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 CACHE_ENV = "VLLM_HPC_CACHE_DIR"
 
@@ -65,6 +66,9 @@ class TinyQwen35Recipe:
     dtype: str = "bfloat16"
     # Recurrent state kept in float32 between steps, as the released Qwen3.5 checkpoints ask.
     mamba_ssm_dtype: str = "float32"
+    # A vision tower of this many blocks makes it the vision-language class every published
+    # Qwen3.5 checkpoint declares (`Qwen3_5ForConditionalGeneration`); 0: text-only.
+    vision_depth: int = 0
     recipe_version: int = 2
 
     def digest(self) -> str:
@@ -75,6 +79,10 @@ class TinyQwen35Recipe:
 DEFAULT_RECIPE = TinyQwen35Recipe()
 MOE_RECIPE = TinyQwen35Recipe(num_experts=8)
 """The same, with its MLPs as mixtures of 8 experts (top 2) plus a shared expert."""
+VISION_RECIPE = TinyQwen35Recipe(vision_depth=1)
+"""The same text model inside the vision-language wrapper, with a one-block vision tower, an
+image and video processor (16-pixel patches merged 2x2: one placeholder token per 32x32
+pixels) and a chat template that renders image and video parts."""
 
 
 def cache_root() -> Path:
@@ -123,7 +131,7 @@ def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
         if moe
         else {}
     )
-    config = config_cls(
+    text = config_cls(
         **moe_fields,
         vocab_size=recipe.vocab_size,
         hidden_size=recipe.hidden_size,
@@ -142,6 +150,9 @@ def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
         dtype=recipe.dtype,
         mamba_ssm_dtype=recipe.mamba_ssm_dtype,
     )
+    config: Any = text
+    if recipe.vision_depth:
+        config, model_cls = _vision_language(recipe, text, moe)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(recipe.seed)
@@ -151,10 +162,54 @@ def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(recipe.lm_head_scale)
     model.to(getattr(torch, recipe.dtype)).save_pretrained(out_dir)
-    _write_tokenizer(recipe.vocab_size, out_dir)
+    if recipe.vision_depth:
+        _write_processor(recipe.vocab_size, out_dir)
+    else:
+        _write_tokenizer(recipe.vocab_size, out_dir)
     (out_dir / "vllm_hpc_recipe.json").write_text(json.dumps(asdict(recipe), indent=1))
 
 
+def _vision_language(recipe: TinyQwen35Recipe, text: Any, moe: bool) -> tuple[Any, Any]:
+    """The vision-language config around ``text``, and its model class."""
+    import transformers
+
+    vision = transformers.Qwen3_5VisionConfig(
+        depth=recipe.vision_depth,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=recipe.hidden_size,
+        patch_size=PATCH_PIXELS,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        num_position_embeddings=256,
+    )
+    ids = {
+        token: recipe.vocab_size - len(SPECIAL_TOKENS) - len(VISION_TOKENS) + i
+        for i, token in enumerate(VISION_TOKENS)
+    }
+    config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_cls(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        tie_word_embeddings=False,
+    )
+    model_cls = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    return config, model_cls
+
+
+PATCH_PIXELS = 16
+MERGE = 2
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""The vision-language variant's extra special tokens, just before `SPECIAL_TOKENS`."""
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_TEMPLATE = (
@@ -164,6 +219,22 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 """ChatML as Qwen3.5 renders it, without tools and thinking."""
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] in ('image', 'image_url') %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] in ('video', 'video_url') %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+"""The same with image and video parts, each a vision span as Qwen3.5's template writes it."""
 
 
 def _write_tokenizer(vocab_size: int, out_dir: Path) -> None:
@@ -195,6 +266,42 @@ def _write_tokenizer(vocab_size: int, out_dir: Path) -> None:
         "model_max_length": 32768,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def _write_processor(vocab_size: int, out_dir: Path) -> None:
+    """Qwen3-VL's processor: images and videos resized to whole 32-pixel tiles (one placeholder
+    token a tile, 4 to 64 an image), and a byte-level tokenizer.
+
+    A checkpoint of the vision-language type loads its tokenizer as Qwen3.5's byte-level BPE
+    whatever its tokenizer config names, so this one is that class with no merges: every byte
+    of text is one token (ids 0-255), then unused ids, then the special tokens at the top.
+    """
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    specials = [*VISION_TOKENS, *SPECIAL_TOKENS]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    unused = vocab_size - len(vocab) - len(specials)
+    vocab.update({f"<|unused{i}|>": len(vocab) for i in range(unused)})
+    vocab.update({token: vocab_size - len(specials) + i for i, token in enumerate(specials)})
+    tokenizer = transformers.Qwen3_5Tokenizer(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    tile = PATCH_PIXELS * MERGE
+    pixels = {"shortest_edge": 4 * tile * tile, "longest_edge": 64 * tile * tile}
+    processor = transformers.Qwen3VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(
+            patch_size=PATCH_PIXELS, merge_size=MERGE, temporal_patch_size=2, size=pixels
+        ),
+        tokenizer=tokenizer,
+        video_processor=transformers.Qwen3VLVideoProcessor(
+            patch_size=PATCH_PIXELS, merge_size=MERGE, temporal_patch_size=2, size=pixels
+        ),
+        chat_template=VISION_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)
 
 
 def llm_kwargs(model_dir: Path | None = None, **overrides: object) -> dict[str, object]:

@@ -17,6 +17,7 @@ from vllm_hpc.index import (
     TapPolicy,
     TapRequest,
     TapSource,
+    resume_floor,
 )
 
 DEFAULT = TapPolicy()  # G = 4096, min gap 1024, budget 8
@@ -86,6 +87,21 @@ def test_a_candidate_inside_a_media_span_moves_to_its_start() -> None:
     )
     # Explicit 400 -> 300; the tail 449 also lies inside the span -> 300, a duplicate.
     assert [t.position for t in TapPlanner(DEFAULT).plan(request)] == [300]
+
+
+def test_no_resume_point_has_an_item_beginning_in_its_tail() -> None:
+    """The tail (tokens after the last full block) is matched by its tokens alone, and every
+    image's placeholder tokens are alike: an item may not begin there."""
+    small = MediaItem(begin=130, length=20, digest=b"i" * 32)
+    assert resume_floor([small], 170) == 130  # past the item, same block: back to its start
+    assert resume_floor([small], 140) == 130  # inside it
+    assert resume_floor([small], 200) == 200  # the item began in an earlier block
+    assert resume_floor([small], 130) == 130
+    chained = [MediaItem(begin=10, length=20, digest=b"a" * 32), small]
+    assert resume_floor(chained, 40) == 10
+    long = MediaItem(begin=30, length=90, digest=b"b" * 32)  # spans blocks 0 and 1
+    assert resume_floor([*chained, long], 140) == 130
+    assert resume_floor([*chained, long], 100) == 10  # inside it: 30, whose block holds 10
 
 
 def test_the_budget_keeps_the_highest_priorities() -> None:
@@ -195,7 +211,7 @@ def test_plan_properties(case: tuple[TapPolicy, TapRequest]) -> None:
     assert planner.plan(shuffled) == taps
     for tap in taps:
         assert base < tap.position <= n - 1
-        assert not any(item.splits(tap.position) for item in request.media)
+        assert resume_floor(request.media, tap.position) == tap.position
         assert tap.position not in request.existing
         assert _kind_is_consistent(tap, request)
         assert not (request.resumed_from_endpoint and tap.source is TapSource.OPENER)

@@ -14,6 +14,10 @@ from vllm_hpc.options import OptionError
 ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "HybridPrefixQwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "HybridPrefixQwen3_5MoeForCausalLM",
+    # What every published Qwen3.5 checkpoint declares: the text model inside a vision-language
+    # wrapper (a vision tower that vLLM leaves unloaded with --language-model-only).
+    "Qwen3_5ForConditionalGeneration": "HybridPrefixQwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "HybridPrefixQwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -24,10 +24,11 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.derived import runtime_config
+from vllm_hpc.glue.cache_key import media_items, tenant_key
 from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.template_hints import chat_markers, prompt_hints
-from vllm_hpc.index import TapHint
+from vllm_hpc.index import MediaItem, TapHint
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
@@ -99,8 +100,9 @@ class HybridPrefixKVCacheManager:
         self._worker_plan = StepPlan()
         self._chat_markers = chat_markers(vllm_config.model_config)
         self._audit_every_step = os.environ.get(AUDIT_ENV) == "1"
-        self._template_hints: dict[str, tuple[TapHint, ...]] = {}
-        """Each request's hints, computed once (they scan the prompt) and dropped in `free`."""
+        self._prompt_keys: dict[str, PromptKeys] = {}
+        """Each request's hints and keys, computed once (they scan the prompt and hash its
+        embeddings) and dropped in `free`."""
         logger.info(
             "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
             "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
@@ -152,21 +154,23 @@ class HybridPrefixKVCacheManager:
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
         """Tokens the cache serves for a waiting request (its pages come in `get_blocks`)."""
         try:
-            lookup = self.cache.lookup(request_info(request, self._hints(request)))
+            lookup = self.cache.lookup(request_info(request, self._keys(request)))
         except InfeasibleRequest as error:
             self.unservable[request.request_id] = str(error)
             return self.empty_kv_cache_blocks, 0, 0
         self._lookups[request.request_id] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
 
-    def _hints(self, request: Any) -> tuple[TapHint, ...]:
-        """The chat template's tap hints of a request's prompt, computed on its first lookup."""
+    def _keys(self, request: Any) -> PromptKeys:
+        """The request's template hints and cache keys, computed on its first lookup."""
         rid = request.request_id
-        hints = self._template_hints.get(rid)
-        if hints is None:
-            hints = prompt_hints(self._chat_markers, request)
-            self._template_hints[rid] = hints
-        return hints
+        keys = self._prompt_keys.get(rid)
+        if keys is None:
+            keys = PromptKeys(
+                prompt_hints(self._chat_markers, request), tenant_key(request), media_items(request)
+            )
+            self._prompt_keys[rid] = keys
+        return keys
 
     def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
         """The chunk [start, start + n) shortened to end at the request's next exact tap (or
@@ -203,7 +207,7 @@ class HybridPrefixKVCacheManager:
                 return None
             assert lookup.frontier == num_new_computed_tokens, "vLLM changed the cached tokens"
             lane = self.cache.admit(
-                request_info(request, self._hints(request)),
+                request_info(request, self._keys(request)),
                 lookup,
                 num_new_tokens,
                 num_lookahead_tokens,
@@ -262,7 +266,7 @@ class HybridPrefixKVCacheManager:
         """The request finished, was aborted or preempted: endpoint snapshot and release."""
         rid = request.request_id
         self._lookups.pop(rid, None)
-        self._template_hints.pop(rid, None)
+        self._prompt_keys.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
         lane = self.lanes.pop(rid, None)
@@ -303,7 +307,17 @@ class HybridPrefixKVCacheManager:
         return self.cache.reset()
 
 
-def request_info(request: Any, template_hints: tuple[TapHint, ...] = ()) -> RequestInfo:
+@dataclass(frozen=True)
+class PromptKeys:
+    """What a request's prompt gives the cache beyond its tokens, fixed for its lifetime."""
+
+    template_hints: tuple[TapHint, ...]
+    tenant: str | None
+    """`cache_salt` plus the LoRA adapter and prompt embeddings (`vllm_hpc.glue.cache_key`)."""
+    media: tuple[MediaItem, ...]
+
+
+def request_info(request: Any, keys: PromptKeys) -> RequestInfo:
     """What the runtime needs of a vLLM `Request`."""
     params = request.sampling_params
     try:
@@ -314,8 +328,9 @@ def request_info(request: Any, template_hints: tuple[TapHint, ...] = ()) -> Requ
         request_id=request.request_id,
         token_ids=request.all_token_ids,
         num_prompt_tokens=request.num_prompt_tokens,
-        cache_salt=request.cache_salt,
+        cache_salt=keys.tenant,
+        media=keys.media,
         breakpoints=breakpoints,
-        template_hints=template_hints,
+        template_hints=keys.template_hints,
         read_cache=not request.skip_reading_prefix_cache,
     )

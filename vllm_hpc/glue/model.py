@@ -24,7 +24,12 @@ from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from vllm.model_executor.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
@@ -266,4 +271,15 @@ class HybridPrefixQwen3_5ForCausalLM(StatePoolModel, Qwen3_5ForCausalLM):
 
 
 class HybridPrefixQwen3_5MoeForCausalLM(StatePoolModel, Qwen3_5MoeForCausalLM):
+    pass
+
+
+class HybridPrefixQwen3_5ForConditionalGeneration(StatePoolModel, Qwen3_5ForConditionalGeneration):
+    """The vision-language wrapper: its language model's GDN layers join the pool like the text
+    class's (the wrapper builds vLLM's `Qwen3_5ForCausalLM` inside itself)."""
+
+
+class HybridPrefixQwen3_5MoeForConditionalGeneration(
+    StatePoolModel, Qwen3_5MoeForConditionalGeneration
+):
     pass

@@ -19,7 +19,13 @@ from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prefix_index import PrefixIndex, StaleQuoteError
-from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, prepare_prompt, xxh3_block_hash
+from vllm_hpc.index.prompt import (
+    MediaItem,
+    PreparedPrompt,
+    prepare_prompt,
+    resume_floor,
+    xxh3_block_hash,
+)
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.tap_planner import (
@@ -88,5 +94,6 @@ __all__ = [
     "TapRequest",
     "TapSource",
     "prepare_prompt",
+    "resume_floor",
     "xxh3_block_hash",
 ]

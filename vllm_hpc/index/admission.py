@@ -99,7 +99,8 @@ class Admission:
 
 def lookup(tree: BlockTree, prompt: PreparedPrompt) -> MatchResult:
     """§6.1: the matched path, then every snapshot on it whose tail tokens equal the prompt's,
-    with F <= n - 1 (at least one token is always prefilled) and F not inside a media span.
+    with F <= n - 1 (at least one token is always prefilled) and F a resumable point of the
+    prompt's media (`resume_floor`).
 
     O(k + snapshots on the path); read-only.
     """
@@ -113,7 +114,7 @@ def lookup(tree: BlockTree, prompt: PreparedPrompt) -> MatchResult:
                 if (
                     frontier <= n - 1
                     and prompt.token_range(node.end, frontier) == snapshot.tail
-                    and not prompt.splits_media(frontier)
+                    and prompt.resumable_at(frontier)
                 ):
                     candidates.append(snapshot)
     candidates.sort(key=lambda s: s.frontier)

@@ -67,6 +67,23 @@ class MediaItem:
         return self.digest + head + modality + grid
 
 
+def resume_floor(media: Sequence[MediaItem], position: int) -> int:
+    """The deepest position at or below ``position`` where a snapshot may lie.
+
+    Not strictly inside a media span (the state there mixes part of an item), and no item may
+    begin in the snapshot's tail, the tokens after its last full block: the tail is compared by
+    its tokens alone, and an item's placeholder tokens are the same for every image. An item
+    that began in an earlier block is in the anchor path's media keys. A position that breaks
+    either rule moves to the start of the item that breaks it.
+    """
+    for item in sorted(media, key=lambda m: m.begin, reverse=True):
+        if item.begin < position and (
+            item.splits(position) or item.begin >= position - position % BLOCK_TOKENS
+        ):
+            position = item.begin
+    return position
+
+
 def media_keys(media: Sequence[MediaItem], num_blocks: int) -> list[int]:
     """media_key(b) for every block: 0 unless an item overlaps block b (§5.1).
 
@@ -116,8 +133,9 @@ class PreparedPrompt:
     def token_range(self, begin: int, end: int) -> bytes:
         return self.tokens[begin * TOKEN_BYTES : end * TOKEN_BYTES]
 
-    def splits_media(self, position: int) -> bool:
-        return any(item.splits(position) for item in self.media)
+    def resumable_at(self, position: int) -> bool:
+        """A snapshot at ``position`` may serve this prompt (see `resume_floor`)."""
+        return resume_floor(self.media, position) == position
 
 
 def prepare_prompt(

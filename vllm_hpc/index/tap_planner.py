@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from vllm_hpc.index.prompt import MediaItem
+from vllm_hpc.index.prompt import MediaItem, resume_floor
 from vllm_hpc.index.types import SnapshotKind
 
 
@@ -174,9 +174,7 @@ class TapPlanner:
         n = request.num_tokens
 
         def place(position: int, source: TapSource) -> PlannedTap | None:
-            for item in request.media:
-                if item.splits(position):
-                    position = item.begin
+            position = resume_floor(request.media, position)
             if not request.base < position <= n - 1:
                 return None
             kind = SnapshotKind.BOUNDARY if source.boundary else SnapshotKind.TAP

@@ -44,6 +44,7 @@ from vllm_hpc.index import (
     BlockWrite,
     IndexConfig,
     InvariantError,
+    MediaItem,
     PageId,
     PlannedTap,
     Prefetch,
@@ -115,6 +116,8 @@ class RequestInfo:
     template_hints: tuple[TapHint, ...] = ()
     """Semantic positions the chat template marks: the generation opener, structural ends."""
     read_cache: bool = True
+    media: tuple[MediaItem, ...] = ()
+    """The prompt's media items (images, videos): their identity keys the blocks they touch."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,9 @@ class HybridPrefixCache:
         if prompt is None or prompt.num_tokens != n:
             # Hashing is the costly part of a lookup, and a waiting request is looked up again
             # every step until it is admitted: keep its prepared prompt until then.
-            prompt = self.index.prepare_prompt(request.token_ids, cache_salt=request.cache_salt)
+            prompt = self.index.prepare_prompt(
+                request.token_ids, media=request.media, cache_salt=request.cache_salt
+            )
             self._prepared[request.request_id] = prompt
         match = self.index.match(prompt)
         if not request.read_cache:
@@ -281,11 +286,14 @@ class HybridPrefixCache:
                 base=frontier,
                 hints=hints,
                 existing=match.frontiers,
+                media=prompt.media,
                 resumed_from_endpoint=from_endpoint,
             )
         )
         taps = _aligned_tail(taps, frontier, match.frontiers, from_endpoint)
-        sibling = self._sibling(prompt, request, frontier) if request.read_cache else None
+        # A media prompt never waits on a sibling (§12.2): its blocks are keyed by the items too.
+        coalesce = request.read_cache and not prompt.media
+        sibling = self._sibling(prompt, request, frontier) if coalesce else None
         if sibling is not None:
             self._waited.add(request.request_id)
         return Lookup(quote, frontier, taps, prompt, sibling, request.read_cache)
@@ -302,7 +310,8 @@ class HybridPrefixCache:
         best: Lane | None = None
         deepest = frontier + BLOCK_TOKENS - 1
         for lane in self._live:
-            if lane.prompt is None or lane.prompt.cache_salt != prompt.cache_salt:
+            other = lane.prompt
+            if other is None or other.media or other.cache_salt != prompt.cache_salt:
                 continue
             shared = _shared_blocks(prompt, lane.prompt) * BLOCK_TOKENS
             limit = min(shared, request.num_prompt_tokens - 1, lane.num_prompt_tokens - 1)
@@ -531,6 +540,8 @@ class HybridPrefixCache:
         in-pass capture, ``in_pass_offset`` tokens into this step's chunk (no tail: its frontier
         is a block boundary), goes into this one."""
         assert lane.lease is not None
+        if lane.prompt is not None and not lane.prompt.resumable_at(frontier):
+            return  # no request could resume there (`resume_floor`)
         slot = self.index.take_snapshot_slot(lane.lease, kind, frontier)
         if slot is None:
             return
@@ -583,10 +594,14 @@ class HybridPrefixCache:
         lease = lane.lease
         if lease is None:
             return
+        extras = lane.prompt.block_extras if lane.prompt is not None else ()
         for block in range(len(lease.path), num_computed // BLOCK_TOKENS):
             begin = block * BLOCK_TOKENS
             page = lane.pages[block]
-            result = self.index.commit_block(lease, token_ids[begin : begin + BLOCK_TOKENS], page)
+            extra = extras[block] if block < len(extras) else 0  # generated tokens: no media
+            result = self.index.commit_block(
+                lease, token_ids[begin : begin + BLOCK_TOKENS], page, extra
+            )
             if result.page_is_cached:
                 lane.private.discard(page)
         self._publish_ready(lane)

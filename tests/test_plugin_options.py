@@ -105,8 +105,6 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
     [
         ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
-        ({"enable_lora": True}, "hybrid-prefix does not support --enable-lora"),
-        ({"enable_prompt_embeds": True}, "hybrid-prefix does not support --enable-prompt-embeds"),
         (
             {"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}},
             "--host-cache-mib",

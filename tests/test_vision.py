@@ -12,12 +12,16 @@ vision encoder for it again.
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_support import cache_of, running_llm
+from openai_server import model_id, post, running_server
 from PIL import Image
 
 from vllm_hpc.exactness import first_parting, top1_margins
@@ -26,13 +30,14 @@ from vllm_hpc.tiny_model import VISION_RECIPE, tiny_model_path
 pytestmark = pytest.mark.engine
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 TILE_PIXELS = 32
 """One placeholder token per 32x32 pixels (16-pixel patches merged 2x2)."""
 ANSWER = 16
 ENGINE = {
     "skip_tokenizer_init": False,  # images need the processor, and it the tokenizer
     "max_model_len": 4096,
-    "limit_mm_per_prompt": {"image": 2, "video": 0},
+    "limit_mm_per_prompt": {"image": 2, "video": 1},
 }
 HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 
@@ -91,6 +96,7 @@ def generate(
     images: list[Image.Image],
     logprobs: int | None = None,
     breakpoints: list[int] | None = None,
+    video: Any = None,
 ) -> Any:
     from vllm import SamplingParams
 
@@ -102,13 +108,35 @@ def generate(
         extra_args={"cache_breakpoints": breakpoints} if breakpoints else None,
     )
     request: dict[str, Any] = {"prompt": prompt}
+    media: dict[str, Any] = {}
     if images:
-        request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+        media["image"] = images if len(images) > 1 else images[0]
+    if video is not None:
+        media["video"] = video
+    if media:
+        request["multi_modal_data"] = media
     return llm.generate([request], params, use_tqdm=False)[0]
 
 
-def assert_like_cold(out: Any, cold: Any, prompt: str, images: list[Image.Image]) -> None:
-    ref = generate(cold, prompt, images, logprobs=2)
+def clip(seed: int, frames: int = 4) -> tuple[Any, dict[str, Any]]:
+    """A random 64x64 video and the metadata vLLM's video processing asks for."""
+    import numpy as np
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (frames, 64, 64, 3), dtype=np.uint8)
+    metadata = {
+        "total_num_frames": frames,
+        "fps": 2.0,
+        "duration": frames / 2.0,
+        "frames_indices": list(range(frames)),
+        "video_backend": "opencv",
+    }
+    return pixels, metadata
+
+
+def assert_like_cold(
+    out: Any, cold: Any, prompt: str, images: list[Image.Image], video: Any = None
+) -> None:
+    ref = generate(cold, prompt, images, logprobs=2, video=video)
     assert ref.prompt_token_ids == out.prompt_token_ids
     parting = first_parting(
         out.outputs[0].token_ids, ref.outputs[0].token_ids, top1_margins(ref.outputs[0].logprobs)
@@ -200,6 +228,20 @@ def test_two_images_and_a_repeat_of_the_second(llm: Any, cold: Any) -> None:
     audit(llm)
 
 
+def test_a_video_is_keyed_as_an_image_is(llm: Any, cold: Any) -> None:
+    prompt = text(70, 150) + VIDEO + text(71, 500)
+    first = generate(llm, prompt, [], video=clip(70))
+    again = generate(llm, prompt, [], video=clip(70))
+    pad = VISION_RECIPE.vocab_size - 4  # <|video_pad|>
+    end = len(again.prompt_token_ids) - again.prompt_token_ids[::-1].index(pad)
+    assert again.num_cached_tokens >= end
+    other = generate(llm, prompt, [], video=clip(71))
+    assert other.num_cached_tokens <= again.prompt_token_ids.index(pad)
+    for out, video in ((first, clip(70)), (again, clip(70)), (other, clip(71))):
+        assert_like_cold(out, cold, prompt, [], video)
+    audit(llm)
+
+
 def test_language_model_only_serves_text(vision_model: str) -> None:
     """`--language-model-only`: vLLM leaves the vision tower unloaded; text is cached as ever."""
     engine = {**ENGINE, "language_model_only": True}
@@ -207,3 +249,72 @@ def test_language_model_only_serves_text(vision_model: str) -> None:
         prompt = text(50, 700)
         generate(llm, prompt, [])
         assert generate(llm, prompt + text(51, 60), []).num_cached_tokens >= 640
+
+
+def _data_url(picture: Image.Image) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _chat(base: str, words: str, url: str, cold_salt: str | None = None) -> tuple[int, Any]:
+    body: dict[str, Any] = {
+        "model": model_id(base),
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": words[:120]},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": words[120:]},
+                ],
+            }
+        ],
+        "max_tokens": ANSWER,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if cold_salt is not None:
+        body.update(cache_salt=cold_salt, logprobs=True, top_logprobs=2)
+    return post(base, body, "chat/completions")
+
+
+def _cached(body: Any) -> int:
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_image_urls_over_the_openai_chat_api(
+    vision_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Data URLs through vLLM's own media loading; a corrupt image is vLLM's 4xx and leaves the
+    cache as it was. The server audits the cache at every engine step."""
+    log = tmp_path_factory.mktemp("vision-server") / "server.log"
+    limits = '{"image": 2, "video": 0}'
+    options = ("--limit-mm-per-prompt", limits, "--gpu-memory-utilization", "0.2")
+    with running_server(Path(vision_model), log, *options) as (base, _):
+        words = text(60, 700)
+        picture = _data_url(image(60, tiles=(4, 4)))
+        status, first = _chat(base, words, picture)
+        assert status == 200, first
+        status, again = _chat(base, words, picture)
+        assert status == 200, again
+        assert _cached(again) > 140, "the second request did not resume past the image"
+        status, other = _chat(base, words, _data_url(image(61, tiles=(4, 4))))
+        assert status == 200, other
+        assert _cached(other) <= 128  # the image starts after 120 letters and the template
+        broken = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+        status, body = _chat(base, words, broken)
+        assert 400 <= status < 500, body
+        status, after = _chat(base, words, picture)
+        assert status == 200 and _cached(after) == _cached(again), after
+        status, cold = _chat(base, words, picture, cold_salt="cold")
+        assert status == 200 and _cached(cold) == 0, cold
+        margins = []
+        for step in cold["choices"][0]["logprobs"]["content"]:
+            best = sorted((t["logprob"] for t in step["top_logprobs"]), reverse=True)
+            margins.append(best[0] - best[1])
+        for body in (first, again, after):
+            tokens = body["choices"][0]["token_ids"]
+            parting = first_parting(tokens, cold["choices"][0]["token_ids"], margins)
+            assert parting is None or parting.near_tie, parting.describe()

@@ -26,7 +26,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +94,79 @@ def cache_root() -> Path:
 
 
 def tiny_model_path(recipe: TinyQwen35Recipe = DEFAULT_RECIPE) -> Path:
-    """Return the directory of the built model, building it first if needed.
+    """Return the directory of the built model, building it first if needed."""
+    return _built(f"tiny-qwen3_5-{recipe.digest()}", "config.json", partial(_build, recipe))
+
+
+def tiny_lora_path(seed: int, recipe: TinyQwen35Recipe = DEFAULT_RECIPE, rank: int = 8) -> Path:
+    """A random LoRA adapter (PEFT format) for the tiny model, built once per seed.
+
+    It adapts the full-attention layers' query and value projections and every layer's MLP, so
+    it changes both the attention KV and the recurrent states that later layers compute.
+    """
+    digest = hashlib.sha256(f"{recipe.digest()}-{seed}-{rank}".encode()).hexdigest()[:12]
+    build = partial(_build_lora, recipe, seed, rank)
+    return _built(f"tiny-lora-{digest}", "adapter_config.json", build)
+
+
+def _built(name: str, last_file: str, build: Callable[[Path], None]) -> Path:
+    """The directory ``name`` under the cache root, built by ``build`` unless it holds
+    ``last_file`` (written last) already.
 
     The build writes into a temporary directory and renames it into place, so concurrent
-    callers (two test processes, a test and the demo) never see a half-written model.
+    callers (two test processes, a test and the demo) never see a half-written one.
     """
-    target = cache_root() / "models" / f"tiny-qwen3_5-{recipe.digest()}"
-    if (target / "config.json").exists():
+    target = cache_root() / "models" / name
+    if (target / last_file).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _build(recipe, staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # lost a race only if the winner finished
+            if not (target / last_file).exists():  # lost a race only if the winner finished
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _build_lora(recipe: TinyQwen35Recipe, seed: int, rank: int, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, mlp = recipe.hidden_size, recipe.intermediate_size
+    shapes = {
+        "self_attn.q_proj": (2 * recipe.num_attention_heads * recipe.head_dim, hidden),
+        "self_attn.v_proj": (recipe.num_key_value_heads * recipe.head_dim, hidden),
+        "mlp.gate_proj": (mlp, hidden),
+        "mlp.up_proj": (mlp, hidden),
+        "mlp.down_proj": (hidden, mlp),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, kind in enumerate(recipe.layer_types):
+        for module, (rows, cols) in shapes.items():
+            if module.startswith("self_attn") and kind != "full_attention":
+                continue
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            for part, shape in (("lora_A", (rank, cols)), ("lora_B", (rows, rank))):
+                weight = torch.randn(shape, generator=generator) * 0.05
+                tensors[f"{name}.{part}.weight"] = weight.to(getattr(torch, recipe.dtype))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({m.split(".")[1] for m in shapes}),
+        "base_model_name_or_path": str(tiny_model_path(recipe)),
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
 
 
 def _build(recipe: TinyQwen35Recipe, out_dir: Path) -> None:

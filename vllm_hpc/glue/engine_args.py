@@ -158,15 +158,7 @@ def configure_engine_args(args: Any) -> None:
     _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
     _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
-    # vLLM keys its own prefix cache by LoRA adapter; this cache does not, so two adapters would
-    # share KV blocks and recurrent states computed with different weights.
-    _refuse(bool(args.enable_lora), "--enable-lora (its cache is not keyed by LoRA adapter)")
-    # Prompt embeddings carry placeholder token ids: two embedding prompts of one length would
-    # look identical to a cache keyed by token ids.
-    _refuse(
-        bool(args.enable_prompt_embeds),
-        "--enable-prompt-embeds (its cache is keyed by token ids, which prompt embeddings lack)",
-    )
+    # LoRA adapters and prompt embeddings are part of the cache key (`vllm_hpc.glue.cache_key`).
     if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(
             f"--block-size {args.block_size}: --kv-cache-manager hybrid-prefix caches "

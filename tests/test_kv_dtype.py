@@ -1,0 +1,53 @@
+"""`--kv-cache-dtype fp8` with hybrid-prefix on the real engine: attention KV stored as FP8
+(e4m3) pages. The host tier copies a page's bytes whatever their dtype, so a block or tail comes
+back bit-exact (`tests/test_host_arena.py` checks that for every KV dtype); here a small-pool
+engine resumes from a tap, from an endpoint and from a host restore, each answer checked against
+a cold run that stores its KV as FP8 too, with the audit after each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_support import (
+    SMALL_POOL_PAGES,
+    cold_reference,
+    resume_from_a_tap_an_endpoint_and_the_host,
+    running_llm,
+)
+
+pytestmark = pytest.mark.engine
+
+FP8 = {"kv_cache_dtype": "fp8", "max_model_len": 2048}
+
+
+@pytest.fixture(scope="module")
+def fp8_cold(tiny_model_dir: Any) -> Iterator[Any]:
+    with cold_reference(**FP8) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def fp8(tiny_model_dir: Any) -> Iterator[Any]:
+    config = {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": 32,
+        "device_snapshot_slots": 3,
+        "cache_taps_per_request": 4,
+    }
+    with running_llm(
+        in_process=True,
+        additional_config=config,
+        num_gpu_blocks_override=SMALL_POOL_PAGES,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        **FP8,
+    ) as llm:
+        assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
+        yield llm
+
+
+def test_fp8_kv_resumes_from_a_tap_an_endpoint_and_the_host(fp8: Any, fp8_cold: Any) -> None:
+    resume_from_a_tap_an_endpoint_and_the_host(fp8, fp8_cold, seed=300)

@@ -83,17 +83,26 @@ SMALL_POOL_PAGES = 60
 """KV pages of the small-pool engines (one is vLLM's null block): 3,776 tokens."""
 
 
-def small_pool_llm(additional_config: dict[str, Any]) -> Any:
+def small_pool_llm(additional_config: dict[str, Any], **engine: Any) -> Any:
     """An in-process hybrid-prefix engine far too small for everything: 59 KV pages, 4 running
-    requests, 512-token prefill chunks, a 2,048-token context."""
+    requests, 512-token prefill chunks, a 2,048-token context (and vLLM's options ``engine``)."""
     return running_llm(
         in_process=True,
         additional_config=additional_config,
-        max_model_len=2048,
+        **{"max_model_len": 2048, **engine},
         num_gpu_blocks_override=SMALL_POOL_PAGES,
         max_num_seqs=4,
         max_num_batched_tokens=512,
     )
+
+
+RESUME_PATHS = {
+    "kv_cache_manager": "hybrid-prefix",
+    "host_cache_mib": 32,
+    "device_snapshot_slots": 3,
+    "cache_taps_per_request": 4,
+}
+"""A small pool with a host tier: what `resume_from_a_tap_an_endpoint_and_the_host` needs."""
 
 
 def cold_reference(**overrides: Any) -> Any:

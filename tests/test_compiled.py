@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from engine_support import (
-    SMALL_POOL_PAGES,
+    RESUME_PATHS,
     cold_reference,
     resume_from_a_tap_an_endpoint_and_the_host,
-    running_llm,
+    small_pool_llm,
 )
 
 pytestmark = pytest.mark.engine
@@ -32,20 +32,7 @@ def compiled_cold(tiny_model_dir: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir: Any) -> Iterator[Any]:
-    config = {
-        "kv_cache_manager": "hybrid-prefix",
-        "host_cache_mib": 32,
-        "device_snapshot_slots": 3,
-        "cache_taps_per_request": 4,
-    }
-    with running_llm(
-        in_process=True,
-        additional_config=config,
-        num_gpu_blocks_override=SMALL_POOL_PAGES,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        **COMPILED,
-    ) as llm:
+    with small_pool_llm(RESUME_PATHS, **COMPILED) as llm:
         assert not llm.llm_engine.vllm_config.model_config.enforce_eager
         yield llm
 

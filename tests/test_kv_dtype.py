@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from engine_support import (
-    SMALL_POOL_PAGES,
+    RESUME_PATHS,
     cold_reference,
     resume_from_a_tap_an_endpoint_and_the_host,
-    running_llm,
+    small_pool_llm,
 )
 
 pytestmark = pytest.mark.engine
@@ -31,20 +31,7 @@ def fp8_cold(tiny_model_dir: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def fp8(tiny_model_dir: Any) -> Iterator[Any]:
-    config = {
-        "kv_cache_manager": "hybrid-prefix",
-        "host_cache_mib": 32,
-        "device_snapshot_slots": 3,
-        "cache_taps_per_request": 4,
-    }
-    with running_llm(
-        in_process=True,
-        additional_config=config,
-        num_gpu_blocks_override=SMALL_POOL_PAGES,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        **FP8,
-    ) as llm:
+    with small_pool_llm(RESUME_PATHS, **FP8) as llm:
         assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
         yield llm
 

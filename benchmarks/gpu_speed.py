@@ -40,7 +40,6 @@ import gc
 import json
 import os
 import platform
-import random
 import shlex
 import statistics
 import sys
@@ -48,7 +47,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hit_rate import revision, source_digest
+from bench_common import (
+    add_eager_option,
+    gpu_engine_kwargs,
+    pct,
+    random_prompt,
+    revision,
+    source_digest,
+    vocab_size,
+)
 
 T0 = time.monotonic()
 NATIVE, HYBRID = "native", "hybrid-prefix"
@@ -90,45 +97,30 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def prompt(seed: int, length: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, vocab) for _ in range(length)]
-
-
 def params(max_tokens: int) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
 
 
-def vocab_size(model: str) -> int:
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
-
-
 # --- engines -------------------------------------------------------------------------------
 
 
 def engine_kwargs(args: Any, config: str) -> dict[str, Any]:
-    extra: dict[str, Any] = {} if args.cpu else {"gdn_prefill_backend": "triton"}
-    if config == HYBRID:
-        extra["kv_cache_manager"] = "hybrid-prefix"
+    extra: dict[str, Any] = {"kv_cache_manager": "hybrid-prefix"} if config == HYBRID else {}
     if args.cpu:
         from vllm_hpc.tiny_model import llm_kwargs
 
         return llm_kwargs(
             Path(args.model), max_model_len=args.max_model_len, additional_config=extra
         )
-    return {
-        "model": args.model,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "max_model_len": args.max_model_len,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": args.eager,
-        "additional_config": extra,
-        "seed": 0,
-    }
+    return gpu_engine_kwargs(
+        args.model,
+        args.eager,
+        extra,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
 
 
 def engine_facts(llm: Any) -> dict[str, Any]:
@@ -198,7 +190,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float
 
 
 def prefill_rep(llm: Any, vocab: int, length: int, seed: int) -> dict[str, float]:
-    seconds, outs = generate(llm, [prompt(seed, length, vocab)], 1)
+    seconds, outs = generate(llm, [random_prompt(seed, length, vocab)], 1)
     return {
         "tok_s": length / seconds,
         "seconds": seconds,
@@ -218,7 +210,9 @@ def decode_steps_rep(llm: Any, vocab: int, args: Any, seed: int, tag: str) -> di
     max_tokens = settle + args.decode_steps + 2
     engine = llm.llm_engine
     ids = [f"{tag}-{seed}-{i}" for i in range(args.decode_batch)]
-    prompts = [prompt(seed + i, args.decode_prompt_len, vocab) for i in range(args.decode_batch)]
+    prompts = [
+        random_prompt(seed + i, args.decode_prompt_len, vocab) for i in range(args.decode_batch)
+    ]
     sp = params(max_tokens)
     counts = dict.fromkeys(ids, 0)
     cached = dict.fromkeys(ids, 0)
@@ -261,10 +255,10 @@ def decode_whole_rep(llm: Any, vocab: int, args: Any, seed: int) -> dict[str, An
     """(time of a batch generating 1 + steps tokens - time of one generating 1) / tokens."""
     n, plen = args.decode_batch, args.decode_prompt_len
     one_s, one = generate(
-        llm, [prompt(SEED_DECODE_ONE + seed + i, plen, vocab) for i in range(n)], 1
+        llm, [random_prompt(SEED_DECODE_ONE + seed + i, plen, vocab) for i in range(n)], 1
     )
     full_s, full = generate(
-        llm, [prompt(seed + i, plen, vocab) for i in range(n)], 1 + args.decode_steps
+        llm, [random_prompt(seed + i, plen, vocab) for i in range(n)], 1 + args.decode_steps
     )
     return {
         "tok_s": n * args.decode_steps / (full_s - one_s),
@@ -375,20 +369,31 @@ def fmt_spread(s: dict[str, float], digits: int = 0) -> str:
     return f"{f.format(s['min'])} / **{f.format(s['median'])}** / {f.format(s['max'])}"
 
 
-def pct(x: float) -> str:
-    return f"{(x - 1) * 100:+.1f}%"
+METRICS = (("prefill_tok_s", "cold prefill tok/s"), ("decode_tok_s", "decode tok/s"))
 
 
 def markdown(report: dict[str, Any]) -> str:
-    meta, args = report["meta"], report["args"]
     summary = report.get("summary", {})
+    lines = [
+        *_header(report),
+        *_result(summary),
+        *_spread(summary),
+        *_engine_instances(report["engines"]),
+        *_engine_notes(report["engines"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _header(report: dict[str, Any]) -> list[str]:
+    """The title, the commands, the machine and what every engine measured."""
+    meta, args = report["meta"], report["args"]
     resumed_note = (
         f" in the last call, resumed {meta['resumed']}: the engines ran in more than one "
         "process, one call after the other"
         if meta.get("resumed")
         else ""
     )
-    lines = [
+    return [
         "# Speed A/B: hybrid-prefix against vLLM's built-in caching",
         "",
         *(f"- Command: `{c}`" for c in meta.get("commands", [meta["command"]])),
@@ -409,13 +414,19 @@ def markdown(report: dict[str, Any]) -> str:
             else f"((t(1 + {args['decode_steps']} tokens) - t(1 token)) / tokens)"
         ),
         "",
+    ]
+
+
+def _result(summary: dict[str, Any]) -> list[str]:
+    """The pooled medians and their ratio against the goal, per metric."""
+    lines = [
         "## Result",
         "",
         "| metric | built-in (pooled median) | hybrid-prefix (pooled median) | hybrid / built-in "
         "| per round | all instance pairs | goal >= 0.98 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for metric, name in (("prefill_tok_s", "cold prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+    for metric, name in METRICS:
         entry = summary.get(metric, {})
         per = entry.get("per_config", {})
         cells = [
@@ -430,28 +441,37 @@ def markdown(report: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"| {name} | {cells[0]} | {cells[1]} | - | - | - | - |")
-    lines += [
+    return [
+        *lines,
         "",
         "Per round: mean of the hybrid-prefix instance medians over the mean of the built-in "
         "ones in that ABBA block. All instance pairs: every hybrid-prefix instance median over "
         "every built-in one; when this range straddles 0.98 the run does not decide the goal.",
         "",
+    ]
+
+
+def _spread(summary: dict[str, Any]) -> list[str]:
+    """Per metric and configuration: how far the reps and the instance medians spread."""
+    lines = [
         "## Spread",
         "",
         "| metric | configuration | pooled min / median / max | pooled spread "
         "| spread of instance medians |",
         "|---|---|---|---|---|",
     ]
-    for metric, name in (("prefill_tok_s", "cold prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+    for metric, name in METRICS:
         for config, per in summary.get(metric, {}).get("per_config", {}).items():
             lines.append(
                 f"| {name} | {LABEL[config]} | {fmt_spread(per['pooled'], 1)} "
                 f"| {per['pooled']['spread'] * 100:.1f}% | {per['instance_spread'] * 100:.1f}% |"
             )
-    lines += [
-        "",
-        "Spread: (max - min) / median.",
-        "",
+    return [*lines, "", "Spread: (max - min) / median.", ""]
+
+
+def _engine_instances(engines: list[dict[str, Any]]) -> list[str]:
+    """One row per engine, in the order they ran; a skipped or failed one says why."""
+    lines = [
         "## Engine instances",
         "",
         "| # | round | configuration | start-up s | prefill tok/s min / median / max "
@@ -459,7 +479,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| started |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for e in report["engines"]:
+    for e in engines:
         if "result" not in e:
             why = e.get("skipped") or e.get("error") or "not finished"
             lines.append(
@@ -473,13 +493,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['decode_step_ms']['median']:.1f} | {r['max_cached_tokens']} "
             f"| {e['started']} |"
         )
-    facts = {e["config"]: e.get("facts") for e in report["engines"] if e.get("facts")}
+    return lines
+
+
+def _engine_notes(engines: list[dict[str, Any]]) -> list[str]:
+    """The engine settings as vLLM resolved them, and a warning if any timed request hit."""
+    lines = []
+    facts = {e["config"]: e.get("facts") for e in engines if e.get("facts")}
     if facts:
         lines += ["", "Engine settings as vLLM resolved them:", ""]
         lines += [f"- {LABEL[c]}: `{json.dumps(f)}`" for c, f in facts.items()]
-    if any(e.get("result", {}).get("max_cached_tokens") for e in report["engines"]):
+    if any(e.get("result", {}).get("max_cached_tokens") for e in engines):
         lines += ["", "**Warning: some timed request was served partly from a cache.**"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write(report: dict[str, Any], out: Path) -> None:
@@ -515,7 +541,7 @@ def parse_args() -> Any:
     ap.add_argument("--rounds", type=int, default=1, help="ABBA blocks (native, hybrid x2, native)")
     ap.add_argument("--max-model-len", type=int, help="32768; CPU 8192")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
+    add_eager_option(ap)
     ap.add_argument(
         "--budget-s", type=float, help="skip engines that would end later (550 s; CPU 3600)"
     )
@@ -577,21 +603,14 @@ def resumed(report: dict[str, Any], args: Any) -> dict[str, Any]:
     return previous
 
 
-def main() -> None:
-    args = parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log(f"importing vLLM (args: {vars(args)})")
+def new_report(args: Any, order: list[str]) -> dict[str, Any]:
+    """The report before any engine ran: what runs, where, and in which order."""
     import torch
     import vllm
-    from vllm import LLM
 
-    order = [NATIVE, HYBRID, HYBRID, NATIVE] * args.rounds
-    vocab = vocab_size(args.model)
-    command = shlex.join(["python", *sys.argv])
-    report: dict[str, Any] = {
+    return {
         "meta": {
-            "command": command,
+            "command": shlex.join(["python", *sys.argv]),
             "python_executable": sys.executable,
             "cwd": os.getcwd(),
             "vllm": vllm.__version__,
@@ -610,62 +629,88 @@ def main() -> None:
             {"index": i + 1, "round": i // 4 + 1, "config": c} for i, c in enumerate(order)
         ],
     }
+
+
+def over_budget(engines: list[dict[str, Any]], budget_s: float) -> str | None:
+    """Why the next engine is skipped, or None: it would end after ``budget_s``."""
+    done = [d for d in engines if "result" in d]
+    if not done:
+        return None
+    # Start-up varies (JIT caches), so: the quickest start-up seen, plus a margin, plus the
+    # longest measurement and shutdown so far.
+    estimate = (
+        min(d["startup_s"] for d in done)
+        + 20
+        + max(d["result"]["bench_s"] + d["shutdown_s"] for d in done)
+    )
+    elapsed = time.monotonic() - T0
+    if elapsed + estimate <= budget_s:
+        return None
+    return f"skipped: budget ({elapsed:.0f} + ~{estimate:.0f} s > {budget_s:.0f} s)"
+
+
+def run_engine(e: dict[str, Any], report: dict[str, Any], args: Any, vocab: int, out: Path) -> None:
+    """Start engine ``e``, measure it into ``e["result"]``, shut it down; the report is
+    rewritten after it, also when it fails."""
+    from vllm import LLM
+
+    e["started"] = now()
+    log(f"engine {e['index']}/{len(report['order'])} ({e['config']}, round {e['round']}): starting")
+    t = time.monotonic()
+    llm = LLM(**engine_kwargs(args, e["config"]))
+    e["startup_s"] = time.monotonic() - t
+    e["facts"] = engine_facts(llm)
+    log(f"engine {e['index']} ready in {e['startup_s']:.0f} s; {e['facts']}")
+    try:
+        e["result"] = bench_engine(llm, vocab, args, e["index"])
+    except Exception as exc:  # keep what the other engines measured
+        e["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"engine {e['index']} failed: {e['error']}")
+        raise
+    finally:
+        t = time.monotonic()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        release_device(cuda=not args.cpu)
+        e["shutdown_s"] = time.monotonic() - t
+        e["finished"] = now()
+        write(report, out)
+    r = e["result"]
+    log(
+        f"engine {e['index']} ({e['config']}) prefill median {r['prefill_tok_s']['median']:.0f}"
+        f" tok/s, decode median {r['decode_tok_s']['median']:.1f} tok/s "
+        f"(measured {r['bench_s']:.0f} s, shutdown {e['shutdown_s']:.0f} s)"
+    )
+    for metric in ("prefill_tok_s", "decode_tok_s"):
+        s = summarize(report)[metric]
+        if "ratio" in s:
+            log(f"  so far {metric} hybrid/native {s['ratio']:.3f} ({pct(s['ratio'])})")
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"importing vLLM (args: {vars(args)})")
+    import vllm
+
+    vocab = vocab_size(args.model)
+    report = new_report(args, [NATIVE, HYBRID, HYBRID, NATIVE] * args.rounds)
     if args.resume:
         report = resumed(report, args)
-        order = report["order"]
+    order = report["order"]
     log(f"device {report['meta']['device']}, vLLM {vllm.__version__}, order {' '.join(order)}")
     write(report, out)
     for e in report["engines"]:
         if "result" in e:  # measured by the call --resume continues
             continue
-        done = [d for d in report["engines"] if "result" in d]
-        if done:
-            # Start-up varies (JIT caches), so: the quickest start-up seen, plus a margin, plus
-            # the longest measurement and shutdown so far.
-            estimate = (
-                min(d["startup_s"] for d in done)
-                + 20
-                + max(d["result"]["bench_s"] + d["shutdown_s"] for d in done)
-            )
-            elapsed = time.monotonic() - T0
-            if elapsed + estimate > args.budget_s:
-                e["skipped"] = (
-                    f"skipped: budget ({elapsed:.0f} + ~{estimate:.0f} s > {args.budget_s:.0f} s)"
-                )
-                log(f"engine {e['index']} ({e['config']}) {e['skipped']}")
-                write(report, out)
-                continue
-        e["started"] = now()
-        log(f"engine {e['index']}/{len(order)} ({e['config']}, round {e['round']}): starting")
-        t = time.monotonic()
-        llm = LLM(**engine_kwargs(args, e["config"]))
-        e["startup_s"] = time.monotonic() - t
-        e["facts"] = engine_facts(llm)
-        log(f"engine {e['index']} ready in {e['startup_s']:.0f} s; {e['facts']}")
-        try:
-            e["result"] = bench_engine(llm, vocab, args, e["index"])
-        except Exception as exc:  # keep what the other engines measured
-            e["error"] = f"{type(exc).__name__}: {exc}"
-            log(f"engine {e['index']} failed: {e['error']}")
-            raise
-        finally:
-            t = time.monotonic()
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            release_device(cuda=not args.cpu)
-            e["shutdown_s"] = time.monotonic() - t
-            e["finished"] = now()
+        skipped = over_budget(report["engines"], args.budget_s)
+        if skipped:
+            e["skipped"] = skipped
+            log(f"engine {e['index']} ({e['config']}) {e['skipped']}")
             write(report, out)
-        r = e["result"]
-        log(
-            f"engine {e['index']} ({e['config']}) prefill median {r['prefill_tok_s']['median']:.0f}"
-            f" tok/s, decode median {r['decode_tok_s']['median']:.1f} tok/s "
-            f"(measured {r['bench_s']:.0f} s, shutdown {e['shutdown_s']:.0f} s)"
-        )
-        for metric in ("prefill_tok_s", "decode_tok_s"):
-            s = summarize(report)[metric]
-            if "ratio" in s:
-                log(f"  so far {metric} hybrid/native {s['ratio']:.3f} ({pct(s['ratio'])})")
+            continue
+        run_engine(e, report, args, vocab, out)
     report["meta"]["finished"] = now()
     write(report, out)
     print(markdown(report), flush=True)

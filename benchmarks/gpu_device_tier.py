@@ -174,7 +174,7 @@ def tap_copy_ms(model: str) -> float:
     """One state-slot copy (the whole cost of a flexible tap), timed with the model's shapes."""
     import torch
 
-    from vllm_hpc.glue.state_pool import StatePool
+    from vllm_hpc.glue.worker.state_pool import StatePool
     from vllm_hpc.runtime.plan import StateCopy
 
     cfg = json.loads((Path(model) / "config.json").read_text())

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from vllm_hpc.glue.host_arena import HostArena, SlabGrid
-from vllm_hpc.glue.host_layout import DeviceLayout
-from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
+from vllm_hpc.glue.worker.host_layout import DeviceLayout
+from vllm_hpc.glue.worker.state_pool import StatePool
 
 PAGES, HEADS, TOKENS, DIM = 1024, 4, 64, 256
 BLOCKS = 256

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hpc.exactness import Parting, first_parting
-from vllm_hpc.glue.kv_manager import AUDIT_ENV
+from vllm_hpc.glue.scheduler.kv_manager import AUDIT_ENV
 
 START_TIMEOUT_S = 300
 

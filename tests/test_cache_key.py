@@ -1,5 +1,5 @@
-"""What keys a cache entry beyond token ids (`vllm_hpc.glue.cache_key`), on the real engine:
-LoRA adapters and prompt embeddings. Images have `tests/test_vision.py`.
+"""What keys a cache entry beyond token ids (`vllm_hpc.glue.scheduler.cache_key`), on the real
+engine: LoRA adapters and prompt embeddings. Images have `tests/test_vision.py`.
 
 Two random adapters built locally (`tiny_lora_path`) change both the attention KV and the
 recurrent states, so an entry shared between them would give a wrong answer; two embedding

@@ -19,11 +19,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_hpc import faults
-from vllm_hpc.glue import host_arena
-from vllm_hpc.glue.host_arena import HostArena, SlabGrid
-from vllm_hpc.glue.host_layout import DeviceLayout
-from vllm_hpc.glue.metrics import TransferMeter
-from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.glue.worker import host_arena
+from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
+from vllm_hpc.glue.worker.host_layout import DeviceLayout
+from vllm_hpc.glue.worker.state_pool import StatePool
+from vllm_hpc.glue.worker.transfer_meter import TransferMeter
 from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, HostSlabPool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 

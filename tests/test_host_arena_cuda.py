@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hpc.glue.host_arena import HostArena, SlabGrid
-from vllm_hpc.glue.host_layout import DeviceLayout
-from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
+from vllm_hpc.glue.worker.host_layout import DeviceLayout
+from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,5 @@
-"""The in-pass capture's bookkeeping (`vllm_hpc.glue.in_pass`) on CPU tensors, without a kernel.
+"""The in-pass capture's bookkeeping (`vllm_hpc.glue.worker.in_pass`) on CPU tensors, without a
+kernel.
 
 The CUDA kernel is stood in for by a function of the same name that returns a known ``h``: each
 capture must land the right chunk of the right batch row in its snapshot slot, and the three
@@ -14,7 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_hpc.glue.in_pass import FLA_CHUNK_MODULE, StepCaptures, capture_layer, install_fla_hook
+from vllm_hpc.glue.worker.in_pass import (
+    FLA_CHUNK_MODULE,
+    StepCaptures,
+    capture_layer,
+    install_fla_hook,
+)
 from vllm_hpc.runtime.plan import InPassCapture
 
 DIM, WIDTH, HEADS, V, K = 8, 3, 2, 4, 4

@@ -57,7 +57,7 @@ def cold(tiny_model_dir: Any) -> Iterator[Any]:
 
 def _slot_state(worker: Any, slot: int) -> list[torch.Tensor]:
     """Runs in the worker: every GDN layer's conv and recurrent state in pool slot ``slot``."""
-    from vllm_hpc.glue.model import HybridPrefixGDN
+    from vllm_hpc.glue.worker.model import HybridPrefixGDN
 
     layers = worker.vllm_config.compilation_config.static_forward_context.values()
     pool = next(layer for layer in layers if isinstance(layer, HybridPrefixGDN)).state_pool

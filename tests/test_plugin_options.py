@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hpc.glue.engine_args import merge_cli_options
+from vllm_hpc.glue.frontend.engine_args import merge_cli_options
 from vllm_hpc.options import KVCacheManager, OptionError, PluginOptions
 
 VENV_BIN = Path(sys.executable).parent
@@ -133,7 +133,7 @@ def unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
 
-    from vllm_hpc.glue import engine_args
+    from vllm_hpc.glue.frontend import engine_args
     from vllm_hpc.plugin import register
 
     load_general_plugins()  # the real hooks, once per process, so vLLM does not load them later

@@ -220,7 +220,7 @@ def _hostile_bodies(model: str, seed: int) -> list[tuple[str, bytes]]:
         body("vllm_xargs", vllm_xargs=[1, 2]),
         body("vllm_xargs", vllm_xargs=17),
     ]
-    if not torch.cuda.is_available():  # vLLM's CPU kernel: see vllm_hpc/glue/token_ids.py
+    if not torch.cuda.is_available():  # vLLM's CPU kernel: see vllm_hpc/glue/frontend/token_ids.py
         cases.append(body("prompt", prompt=[rng.randrange(vocab)]))
     for wrong in ("soon", 5, [1.5], [-1], [0], [[64]], {"at": 64}, [64] * 100, None):
         cases.append(body("cache_breakpoints", vllm_xargs={"cache_breakpoints": wrong}))

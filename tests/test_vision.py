@@ -4,7 +4,7 @@
 vision tower and Qwen3-VL's processor. Its tokenizer is byte-level (one token a character), so
 the prompts here are text: letters, and an image span where an image goes. Each answer is
 compared with a cold run of the same class (no prefix caching), and the cache is audited after
-each scenario. What the cache must do with an image (`vllm_hpc.glue.cache_key`,
+each scenario. What the cache must do with an image (`vllm_hpc.glue.scheduler.cache_key`,
 `vllm_hpc.index.prompt.resume_floor`): key every block the image touches by vLLM's hash of it,
 never resume inside it or with it in a snapshot's tail, and resume past it without running the
 vision encoder for it again.

@@ -2,7 +2,7 @@
 
 Options travel inside vLLM's `additional_config` dict, because that is the one free-form
 field that reaches every vLLM process (front end, engine core, workers) and enters vLLM's
-config hash. The CLI flags that `vllm_hpc.glue.engine_args` adds to `vllm serve` are only
+config hash. The CLI flags that `vllm_hpc.glue.frontend.engine_args` adds to `vllm serve` are only
 another way to fill the same keys, so the Python `LLM` API and the server accept exactly the
 same options with exactly the same checks:
 

@@ -23,16 +23,16 @@ def register() -> None:
             "%s The vllm_hpc plugin is disabled: --kv-cache-manager hybrid-prefix is refused.",
             error,
         )
-        from vllm_hpc.glue.engine_args import install_version_guard
+        from vllm_hpc.glue.frontend.engine_args import install_version_guard
 
         install_version_guard(error)
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from vllm_hpc.glue.architecture import register_models
-    from vllm_hpc.glue.engine_args import CONNECTOR, install_engine_args_hooks
+    from vllm_hpc.glue.frontend.engine_args import CONNECTOR, install_engine_args_hooks
+    from vllm_hpc.glue.frontend.token_ids import install_token_id_check
     from vllm_hpc.glue.sampling import install_sampling_params_hook
-    from vllm_hpc.glue.token_ids import install_token_id_check
 
     install_engine_args_hooks()
     install_sampling_params_hook()

@@ -1,9 +1,14 @@
 """Everything that depends on the pinned vLLM version lives in this package.
 
-Each module here hooks one vLLM extension point. `check_vllm_version` guards them all: the
-hooks are written against vLLM 0.32.0 and are not installed on any other version, except the
-`EngineArgs` hooks' version guard, which refuses `--kv-cache-manager hybrid-prefix` there
-(`vllm_hpc.glue.engine_args.install_version_guard`).
+Each module here hooks one vLLM extension point, in a folder by the vLLM process it runs in:
+`frontend/` (flags, engine configuration, request validation), `scheduler/` (engine core) and
+`worker/` (model and copies). What more than one process uses sits here: the connector class
+(vLLM builds it in the engine core and in every worker, and it dispatches by role), the records
+its two halves exchange, the stats pipeline, the model registration and the request hints.
+
+`check_vllm_version` guards them all: the hooks are written against vLLM 0.32.0 and are not
+installed on any other version, except the `EngineArgs` hooks' version guard, which refuses
+`--kv-cache-manager hybrid-prefix` there (`glue.frontend.engine_args.install_version_guard`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which model classes serve `hybrid-prefix`, chosen through vLLM's `hf_overrides`.
 
-The classes live in `vllm_hpc.glue.model`; this module stays light (no torch, no model imports)
-because every vLLM process loads it with the plugin.
+The classes live in `vllm_hpc.glue.worker.model`; this module stays light (no torch, no model
+imports) because every vLLM process loads it with the plugin.
 """
 
 from __future__ import annotations
@@ -71,5 +71,5 @@ def register_models() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     for theirs, ours in ARCHITECTURES.items():
-        ModelRegistry.register_model(ours, f"vllm_hpc.glue.model:{ours}")
+        ModelRegistry.register_model(ours, f"vllm_hpc.glue.worker.model:{ours}")
         MODELS_CONFIG_MAP.setdefault(ours, MODELS_CONFIG_MAP[theirs])

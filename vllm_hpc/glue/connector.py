@@ -6,7 +6,7 @@ model runners (V1 on CPU, V2 on CUDA), in both directions. The hybrid prefix cac
 - the state-slot copies of a step (captures into snapshot slots, restores into active slots),
   which the workers run in order before the step's forward pass (`bind_connector_metadata` runs
   before the forward on both runners, also on steps without tokens), and the captures the GDN
-  layers save during it (`vllm_hpc.glue.in_pass`);
+  layers save during it (`vllm_hpc.glue.worker.in_pass`);
 - the host tier: write-through batches after them, and restores that overlap the forward pass
   (attention layers wait in `wait_for_layer_load`, GDN layers in the state pool);
 - back to the scheduler: the write batches that have landed (`build_connector_worker_meta`).
@@ -30,19 +30,19 @@ from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats
 
 
 class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's connector interface, dispatched to its scheduler half (`connector_scheduler`) or
-    its workers' half (`connector_worker`) by role, as each process builds one of them."""
+    """vLLM's connector interface, dispatched to its scheduler half (`scheduler/connector.py`)
+    or its workers' half (`worker/connector.py`) by role, as each process builds one of them."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.scheduler: Any = None
         self.worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_hpc.glue.connector_scheduler import ConnectorScheduler
+            from vllm_hpc.glue.scheduler.connector import ConnectorScheduler
 
             self.scheduler = ConnectorScheduler(vllm_config.parallel_config.world_size)
         else:
-            from vllm_hpc.glue.connector_worker import ConnectorWorker
+            from vllm_hpc.glue.worker.connector import ConnectorWorker
 
             self.worker = ConnectorWorker(vllm_config, kv_cache_config)
 

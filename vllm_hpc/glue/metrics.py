@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_hpc.glue.host_arena import TransferHandle
 from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS, WORKER_COUNTERS, WORKER_LEVELS
 
 _COUNTERS = {m.name: m for m in (*COUNTERS, *WORKER_COUNTERS)}
@@ -68,62 +67,6 @@ class HybridPrefixStats(KVConnectorStats):
 
 def _is_counter(name: str) -> bool:
     return name in _COUNTERS
-
-
-class TelemetryReader:
-    """Turns the cache's cumulative counters into per-step increments."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, int] = {}
-
-    def read(self, values: dict[str, int]) -> HybridPrefixStats | None:
-        data: dict[str, int] = {m.name: values[m.name] for m in LEVELS}
-        changed = False
-        for metric in COUNTERS:
-            delta = values[metric.name] - self._last.get(metric.name, 0)
-            data[metric.name] = delta
-            changed |= delta != 0
-        if not changed and all(values[m.name] == self._last.get(m.name) for m in LEVELS):
-            return None
-        self._last = dict(values)
-        return HybridPrefixStats(data)
-
-
-class TransferMeter:
-    """Worker side: the host tier's copy batches that have landed, as seconds and bandwidth."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[str, TransferHandle]] = []
-        self.totals: dict[str, tuple[int, float]] = {"write": (0, 0.0), "restore": (0, 0.0)}
-        """Bytes and seconds of every batch read so far, by kind (benchmarks read these)."""
-
-    def track(self, kind: str, handle: TransferHandle) -> None:
-        """``kind``: "write" or "restore" (prefetches are restores)."""
-        if handle.nbytes:
-            self._pending.append((kind, handle))
-
-    def read(self) -> HybridPrefixStats | None:
-        """The batches that landed since the last read, or None if none did."""
-        landed: list[tuple[str, TransferHandle]] = []
-        waiting: list[tuple[str, TransferHandle]] = []
-        for entry in self._pending:
-            (landed if entry[1].done() else waiting).append(entry)
-        self._pending = waiting
-        if not landed:
-            return None
-        data: dict[str, float] = {}
-        for kind in ("write", "restore"):
-            handles = [handle for k, handle in landed if k == kind]
-            if not handles:
-                continue
-            seconds = sum(handle.timing.seconds() for handle in handles)
-            nbytes = sum(handle.nbytes for handle in handles)
-            total_bytes, total_seconds = self.totals[kind]
-            self.totals[kind] = (total_bytes + nbytes, total_seconds + seconds)
-            data[f"host_{kind}_seconds"] = seconds
-            if seconds > 0:
-                data[f"host_{kind}_bytes_per_second"] = nbytes / seconds
-        return HybridPrefixStats(data)
 
 
 class HybridPrefixPromMetrics(KVConnectorPromMetrics):

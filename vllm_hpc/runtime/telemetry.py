@@ -135,7 +135,7 @@ WORKER_COUNTERS = _by(
     written="host_write_seconds",
     restored="host_restore_seconds",
 )
-"""Counters the workers measure (`glue.metrics.TransferMeter`), beside the cache's."""
+"""Counters the workers measure (`glue.worker.transfer_meter.TransferMeter`), beside the cache's."""
 
 
 def _level(name: str, doc: str) -> Metric:

@@ -1,7 +1,7 @@
 """HybridPrefixKVCacheManager: vLLM's `KVCacheManager` surface over `HybridPrefixCache`.
 
-`Scheduler` builds and calls its KV cache manager directly; `vllm_hpc.glue.scheduler` puts this
-class in its place. It translates vLLM's requests and block lists to the runtime's terms:
+`Scheduler` builds and calls its KV cache manager directly; `vllm_hpc.glue.scheduler.scheduler`
+puts this class in its place. It translates vLLM's requests and block lists to the runtime's terms:
 
 - KV cache group "attention" (every full-attention layer): the request's 64-token pages.
 - KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state slot.
@@ -24,10 +24,10 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.derived import runtime_config
-from vllm_hpc.glue.cache_key import media_items, tenant_key
-from vllm_hpc.glue.model import StateSlotSpec
 from vllm_hpc.glue.sampling import parse_breakpoints
-from vllm_hpc.glue.template_hints import chat_markers, prompt_hints
+from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
+from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
+from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.index import MediaItem, TapHint
 from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import (
@@ -313,7 +313,7 @@ class PromptKeys:
 
     template_hints: tuple[TapHint, ...]
     tenant: str | None
-    """`cache_salt` plus the LoRA adapter and prompt embeddings (`vllm_hpc.glue.cache_key`)."""
+    """`cache_salt` plus the LoRA adapter and prompt embeddings (`glue.scheduler.cache_key`)."""
     media: tuple[MediaItem, ...]
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_hpc.glue.in_pass import StepCaptures
+from vllm_hpc.glue.worker.in_pass import StepCaptures
 from vllm_hpc.runtime.plan import StateCopy
 
 

@@ -12,10 +12,11 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
-from vllm_hpc.glue.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
-from vllm_hpc.glue.host_layout import DeviceLayout
-from vllm_hpc.glue.in_pass import StepCaptures
-from vllm_hpc.glue.metrics import HybridPrefixStats, TransferMeter
+from vllm_hpc.glue.metrics import HybridPrefixStats
+from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
+from vllm_hpc.glue.worker.host_layout import DeviceLayout
+from vllm_hpc.glue.worker.in_pass import StepCaptures
+from vllm_hpc.glue.worker.transfer_meter import TransferMeter
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -118,7 +119,7 @@ class ConnectorWorker:
 
     def _state_pool(self) -> Any:
         if self._pool is None:
-            from vllm_hpc.glue.model import HybridPrefixGDN
+            from vllm_hpc.glue.worker.model import HybridPrefixGDN
 
             layers = self._vllm_config.compilation_config.static_forward_context.values()
             gdn = next(layer for layer in layers if isinstance(layer, HybridPrefixGDN))

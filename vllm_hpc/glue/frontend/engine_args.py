@@ -37,8 +37,8 @@ GDN_PREFILL_KEY = "gdn_prefill_backend"
 GDN_PREFILL_DEFAULT = "triton"
 """vLLM's Triton/FLA GDN prefill kernel: the one whose chunk states allow in-pass taps."""
 SCHEDULERS = {
-    False: "vllm_hpc.glue.scheduler.HybridPrefixScheduler",
-    True: "vllm_hpc.glue.scheduler.HybridPrefixAsyncScheduler",
+    False: "vllm_hpc.glue.scheduler.scheduler.HybridPrefixScheduler",
+    True: "vllm_hpc.glue.scheduler.scheduler.HybridPrefixAsyncScheduler",
 }
 
 _installed = False
@@ -158,7 +158,7 @@ def configure_engine_args(args: Any) -> None:
     _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
     _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
-    # LoRA adapters and prompt embeddings are part of the cache key (`vllm_hpc.glue.cache_key`).
+    # LoRA adapters and prompt embeddings are part of the cache key (`glue.scheduler.cache_key`).
     if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(
             f"--block-size {args.block_size}: --kv-cache-manager hybrid-prefix caches "

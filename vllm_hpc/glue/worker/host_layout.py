@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import HostGeometry
 
 

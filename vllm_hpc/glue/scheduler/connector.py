@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
-from vllm_hpc.glue.metrics import HybridPrefixStats, TelemetryReader
+from vllm_hpc.glue.metrics import HybridPrefixStats
+from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
 
 
 class ConnectorScheduler:
@@ -44,3 +45,22 @@ class ConnectorScheduler:
                 done.append(batch)
                 del self._landed[batch]
         self._manager.cache.complete_writes(done)
+
+
+class TelemetryReader:
+    """Turns the cache's cumulative counters into per-step increments."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def read(self, values: dict[str, int]) -> HybridPrefixStats | None:
+        data: dict[str, int] = {m.name: values[m.name] for m in LEVELS}
+        changed = False
+        for metric in COUNTERS:
+            delta = values[metric.name] - self._last.get(metric.name, 0)
+            data[metric.name] = delta
+            changed |= delta != 0
+        if not changed and all(values[m.name] == self._last.get(m.name) for m in LEVELS):
+            return None
+        self._last = dict(values)
+        return HybridPrefixStats(data)

@@ -27,7 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
-from vllm_hpc.glue.kv_manager import HybridPrefixKVCacheManager
+from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
 
 logger = logging.getLogger("vllm.vllm_hpc")
 

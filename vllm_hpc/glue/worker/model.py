@@ -10,13 +10,12 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
   vLLM still builds GDN metadata for it, the "block id" it hands the layer for a request is the
   request's state slot, and the spec carries the pool's slot counts to the scheduler.
 - On CUDA with vLLM's FLA (Triton) prefill kernel, a GDN layer also saves the step's in-pass
-  captures (`vllm_hpc.glue.in_pass`), and the spec tells the scheduler it can.
+  captures (`vllm_hpc.glue.worker.in_pass`), and the spec tells the scheduler it can.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,32 +30,16 @@ from vllm.model_executor.models.qwen3_5 import (
     Qwen3_5MoeForConditionalGeneration,
 )
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
-from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hpc.derived import size_state_pool
-from vllm_hpc.glue.in_pass import capture_layer, install_fla_hook
-from vllm_hpc.glue.state_pool import StatePool
+from vllm_hpc.glue.state_spec import StateSlotSpec
+from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
+from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OptionError, PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StateSlotSpec(MambaSpec):
-    """The GDN layers' proxy spec: one byte per "block", plus the state pool's geometry."""
-
-    active_slots: int
-    snapshot_slots: int
-    image_bytes: int
-    in_pass_taps: bool
-    """The layers save states inside a prefill pass (`vllm_hpc.glue.in_pass`)."""
-
-    @property
-    def uses_slot_mapping(self) -> bool:
-        # One "block" per request whatever its length: a per-token slot mapping (which V2
-        # computes for specs that ask for one) would index past the one-wide block table.
-        return False
 
 
 class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):

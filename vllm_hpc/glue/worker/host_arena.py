@@ -26,8 +26,8 @@ import torch
 
 from vllm_hpc.derived import check_host_budget
 from vllm_hpc.faults import InjectedFault, armed
-from vllm_hpc.glue.cudart import CudaRuntime
-from vllm_hpc.glue.host_layout import DeviceLayout, LayerPlanes, Plane
+from vllm_hpc.glue.worker.cudart import CudaRuntime
+from vllm_hpc.glue.worker.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 

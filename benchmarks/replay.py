@@ -29,7 +29,6 @@ import hashlib
 import itertools
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -40,7 +39,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hit_rate import margin, revision, source_digest
+from bench_common import (
+    add_eager_option,
+    cpu_machine,
+    gpu_engine_kwargs,
+    gpu_machine,
+    margin,
+    revision,
+    source_digest,
+    vocab_size,
+)
 from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
 from workloads import WORKLOADS, Session, Shape, arrivals, mix
 
@@ -245,23 +253,12 @@ def engine_kwargs(
     extra: dict[str, Any] = {}
     if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
-    if config.startswith("hybrid-prefix"):
         extra["host_cache_mib"] = host_mib if config == "hybrid-prefix-host" else 0
     limits = {"max_model_len": profile.max_model_len, "gpu_memory_utilization": profile.memory}
     if model is None:
         return llm_kwargs(**limits, **cache, additional_config=extra)
     # The GPU settings that worked on the H200 (benchmarks/results/gpu_device_tier.md).
-    return {
-        "model": model,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "enforce_eager": eager,
-        "seed": 0,
-        "disable_log_stats": False,
-        **limits,
-        **cache,
-        "additional_config": {"gdn_prefill_backend": "triton", **extra},
-    }
+    return gpu_engine_kwargs(model, eager, extra, disable_log_stats=False, **limits, **cache)
 
 
 async def run_config(
@@ -323,17 +320,8 @@ async def run_config(
     return result
 
 
-def machine(model: str | None) -> str:
-    smi = shutil.which("nvidia-smi")
-    if model and smi:
-        names = subprocess.run(
-            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-        return f"{names} ({os.cpu_count()} CPU cores)"
-    return f"{os.cpu_count()}-core {platform.machine()} CPU"
-
-
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, Profile]:
+    """The options, and the profile they pick with its fields overridden by theirs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
     parser.add_argument("--model", help="model directory with config.json, dummy weights")
@@ -352,9 +340,7 @@ def main() -> None:
         "--resume", type=Path, help="JSON of an earlier run: keep its configurations"
     )
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
-    parser.add_argument(
-        "--eager", action="store_true", help="GPU: enforce_eager (default: vLLM's graphs)"
-    )
+    add_eager_option(parser, scope="GPU: ")
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()
@@ -370,20 +356,11 @@ def main() -> None:
             for k in Profile.__dataclass_fields__
         }
     )
-    vocab = (
-        json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-        if args.model
-        else DEFAULT_RECIPE.vocab_size
-    )
-    builds = scenarios(profile, vocab, args.traces)
-    if args.workloads:
-        builds = {k: builds[k] for k in args.workloads.split(",")}
-    if args.plan:
-        plan(builds, profile.answer)
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"replay_{args.profile}"
-    path = args.out / f"{stem}.json"
+    return args, profile
+
+
+def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
+    """The run's JSON before this call's engines: --resume's, with this call recorded."""
     import vllm
 
     data: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
@@ -393,12 +370,28 @@ def main() -> None:
         raise SystemExit(f"--resume: {args.resume} ran another profile: {data['profile']}")
     data.update(
         vllm=vllm.__version__,
-        machine=machine(args.model),
+        machine=(args.model and gpu_machine()) or cpu_machine(),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
     )
     data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})
+    return data
+
+
+def main() -> None:
+    args, profile = parse_args()
+    vocab = vocab_size(args.model) if args.model else DEFAULT_RECIPE.vocab_size
+    builds = scenarios(profile, vocab, args.traces)
+    if args.workloads:
+        builds = {k: builds[k] for k in args.workloads.split(",")}
+    if args.plan:
+        plan(builds, profile.answer)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"replay_{args.profile}"
+    path = args.out / f"{stem}.json"
+    data = new_data(args, profile)
     memory = Sampler()
     for config in args.configs.split(","):
         if config in data["configs"]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench_common import publish, ratio, times
+
 from vllm_hpc.exactness import NEAR_TIE
 
 BASELINE = "native"
@@ -108,21 +110,28 @@ def gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.1f}"
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b else (1.0 if a == b else math.inf)
+Table = dict[str, dict[str, Stats]]
+"""Per configuration, per workload: its `Stats`."""
 
 
-def times(value: float) -> str:
-    return "inf (native 0)" if math.isinf(value) else f"{value:.2f}x"
+def markdown(data: dict[str, Any], table: Table, stem: str) -> list[str]:
+    return [
+        *_header(data),
+        *_targets(data, table),
+        *_per_workload(data, table),
+        *_answers(data),
+        *_engines(data),
+        "",
+        f"Plots: `{stem}_ttft.png`, `{stem}_hit_rate.png`, `{stem}_cached_per_turn.png`.",
+    ]
 
 
-def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str) -> list[str]:
+def _header(data: dict[str, Any]) -> list[str]:
+    """The model, the commands, the machine, the profile, the mode and how it was measured."""
     configs = list(data["configs"])
-    workloads = list(next(iter(data["configs"].values()))["workloads"])
     profile = data["profile"]
     runs = len(data["runs"])
-    same = "same run" if runs == 1 else f"configurations from {runs} runs: the commands above"
-    lines = [
+    return [
         f"# Replay benchmark: {data['model']}",
         "",
         *(
@@ -156,42 +165,48 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
             if runs > 1
             else []
         ),
-        f"## Targets (hybrid-prefix / native, {same})",
-        "",
     ]
+
+
+def _targets(data: dict[str, Any], table: Table) -> list[str]:
+    """Each target's ratio against native per configuration of ours, and the answers that
+    differ from native's."""
+    runs = len(data["runs"])
+    same = "same run" if runs == 1 else f"configurations from {runs} runs: the commands above"
+    lines = [f"## Targets (hybrid-prefix / native, {same})", ""]
     ours = [c for c in OURS if c in table]
-    if BASELINE in table and ours:
-        lines += [
-            "| target | goal | " + " | ".join(f"{c} | met" for c in ours) + " |",
-            "|---|---|" + "---|---|" * len(ours),
-        ]
-        for label, workload, key, sense, goal in TARGETS:
-            cells = []
-            for c in ours:
-                if workload not in table[c]:
-                    cells.append("- | -")
-                    continue
-                value = ratio(
-                    getattr(table[c][workload], key), getattr(table[BASELINE][workload], key)
-                )
-                met = value >= goal if sense == ">=" else value <= goal
-                cells.append(f"{times(value)} | {'yes' if met else 'no'}")
-            lines.append(f"| {label} | {sense} {goal}x | {' | '.join(cells)} |")
+    if BASELINE not in table or not ours:
+        return lines
+    lines += [
+        "| target | goal | " + " | ".join(f"{c} | met" for c in ours) + " |",
+        "|---|---|" + "---|---|" * len(ours),
+    ]
+    for label, workload, key, sense, goal in TARGETS:
         cells = []
         for c in ours:
-            differ = sum(
-                len(
-                    divergences(
-                        run["requests"], data["configs"][BASELINE]["workloads"][w]["requests"]
-                    )
-                )
-                for w, run in data["configs"][c]["workloads"].items()
-            )
-            cells.append(f"{differ} | {'yes' if differ == 0 else 'no (see below)'}")
-        lines.append(
-            f"| requests whose greedy answer differs from native's | 0 | {' | '.join(cells)} |"
+            if workload not in table[c]:
+                cells.append("- | -")
+                continue
+            value = ratio(getattr(table[c][workload], key), getattr(table[BASELINE][workload], key))
+            met = value >= goal if sense == ">=" else value <= goal
+            cells.append(f"{times(value)} | {'yes' if met else 'no'}")
+        lines.append(f"| {label} | {sense} {goal}x | {' | '.join(cells)} |")
+    cells = []
+    for c in ours:
+        differ = sum(
+            len(divergences(run["requests"], data["configs"][BASELINE]["workloads"][w]["requests"]))
+            for w, run in data["configs"][c]["workloads"].items()
         )
-    lines += [
+        cells.append(f"{differ} | {'yes' if differ == 0 else 'no (see below)'}")
+    lines.append(
+        f"| requests whose greedy answer differs from native's | 0 | {' | '.join(cells)} |"
+    )
+    return lines
+
+
+def _per_workload(data: dict[str, Any], table: Table) -> list[str]:
+    """One row per workload and configuration: tokens, hit rate, latencies, memory."""
+    lines = [
         "",
         "## Per workload",
         "",
@@ -200,8 +215,8 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         "output tok/s | peak host GiB | peak device GiB | peak load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for w in workloads:
-        for c in configs:
+    for w in _workloads(data):
+        for c in data["configs"]:
             if w not in table[c]:
                 continue
             s = table[c][w]
@@ -214,7 +229,13 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
                 f"{s.e2e_p50:.3f} | {s.tpot_p50 * 1000:.1f} | {s.throughput:.1f} | "
                 f"{gib(s.peak_host_bytes)} | {gib(s.peak_device_bytes)} | {s.peak_load:.1f} |"
             )
-    lines += [
+    return lines
+
+
+def _answers(data: dict[str, Any]) -> list[str]:
+    """Per workload and configuration: the requests whose greedy answer differs from native's."""
+    configs = list(data["configs"])
+    lines = [
         "",
         "## Greedy answers against native",
         "",
@@ -227,7 +248,7 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         f"| workload | {' | '.join(c for c in configs if c != BASELINE)} |",
         f"|---|{'---|' * (len(configs) - 1)}",
     ]
-    for w in workloads if BASELINE in configs else []:
+    for w in _workloads(data) if BASELINE in configs else []:
         base = data["configs"][BASELINE]["workloads"][w]["requests"]
         cells = []
         for c in configs:
@@ -236,7 +257,12 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
             found = divergences(data["configs"][c]["workloads"][w]["requests"], base)
             cells.append(f"{len(found)}: {', '.join(found)}" if found else "0")
         lines.append(f"| {w} | {' | '.join(cells)} |")
-    lines += [
+    return lines
+
+
+def _engines(data: dict[str, Any]) -> list[str]:
+    """Each configuration's engine as it started, with its arguments."""
+    lines = [
         "",
         "## Engines",
         "",
@@ -244,18 +270,22 @@ def markdown(data: dict[str, Any], table: dict[str, dict[str, Stats]], stem: str
         "start-up (s) | engine arguments |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in configs:
+    for c in data["configs"]:
         e = data["configs"][c]["engine"]
         args = ", ".join(f"{k}={v}" for k, v in e["kwargs"].items() if k != "model")
         lines.append(
             f"| {c} | {e['sources']} | {e['block']} | {e['chunk']} | {e['kv_tokens']:,} | "
             f"{e['start_s']:.0f} | {args} |"
         )
-    lines += ["", f"Plots: `{stem}_ttft.png`, `{stem}_hit_rate.png`, `{stem}_cached_per_turn.png`."]
     return lines
 
 
-def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -> None:
+def _workloads(data: dict[str, Any]) -> list[str]:
+    """The workloads in the order they ran (those of the first configuration)."""
+    return list(next(iter(data["configs"].values()))["workloads"])
+
+
+def plots(data: dict[str, Any], table: Table, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,7 +293,7 @@ def plots(data: dict[str, Any], table: dict[str, dict[str, Stats]], out: Path) -
     from matplotlib.ticker import NullFormatter
 
     configs = list(data["configs"])
-    workloads = list(next(iter(data["configs"].values()))["workloads"])
+    workloads = _workloads(data)
     cols = 4
     rows = math.ceil(len(workloads) / cols)
 
@@ -329,8 +359,7 @@ def write_report(path: Path) -> None:
             f"{path.name}` again.",
         ]
         print("matplotlib is missing: no plots (pip install -e '.[bench]')", file=sys.stderr)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, stem.with_suffix(".md"))
 
 
 if __name__ == "__main__":

@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import add_eager_option, gpu_engine_kwargs, publish, random_prompt, vocab_size
+
 from vllm_hpc.exactness import first_parting
 
 ANSWER = 16
-
-
-def prompt(seed: int, length: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, vocab) for _ in range(length)]
 
 
 def params(
@@ -57,31 +53,31 @@ def run(llm: Any, prompts: list[list[int]], sp: Any) -> list[Any]:
 
 def scenarios(length: int, vocab: int) -> list[dict[str, Any]]:
     """Each scenario: warm-up requests (run first), then the checked request(s)."""
-    a = prompt(1, length, vocab)
+    a = random_prompt(1, length, vocab)
     tap = length // 2 + 17
-    edit_base = prompt(4, length, vocab)
-    pre = prompt(5, length // 2, vocab)
+    edit_base = random_prompt(4, length, vocab)
+    pre = random_prompt(5, length // 2, vocab)
     return [
         {
             "name": "resume from a breakpoint tap (with a tail)",
             "warm": [(a, [tap], ANSWER)],
-            "check": [a[: length // 2 + 100] + prompt(2, 200, vocab)],
+            "check": [a[: length // 2 + 100] + random_prompt(2, 200, vocab)],
             "expect_cached": [tap],
         },
         {
             "name": "multi-turn: resume from the endpoint",
-            "warm": [(prompt(3, length, vocab), None, 80)],
+            "warm": [(random_prompt(3, length, vocab), None, 80)],
             "check_turn": True,
         },
         {
             "name": "edit deep in the history",
             "warm": [(edit_base, None, ANSWER)],
-            "check": [edit_base[: length // 3] + prompt(6, 300, vocab)],
+            "check": [edit_base[: length // 3] + random_prompt(6, 300, vocab)],
         },
         {
             "name": "4 sessions sharing a preamble, batched",
-            "warm": [(pre + prompt(7, 100, vocab), [len(pre)], ANSWER)],
-            "check": [pre + prompt(8 + i, 200 + 10 * i, vocab) for i in range(4)],
+            "warm": [(pre + random_prompt(7, 100, vocab), [len(pre)], ANSWER)],
+            "check": [pre + random_prompt(8 + i, 200 + 10 * i, vocab) for i in range(4)],
             "batched": True,
             "expect_cached": [len(pre)] * 4,
         },
@@ -101,7 +97,7 @@ def play(llm: Any, length: int, vocab: int, cold: bool) -> dict:
         for warm, bps, n in sc["warm"]:
             out = run(llm, [warm], params(n, bps))[0]
             if sc.get("check_turn"):
-                checks = [warm + list(out.outputs[0].token_ids) + prompt(9, 300, vocab)]
+                checks = [warm + list(out.outputs[0].token_ids) + random_prompt(9, 300, vocab)]
                 sc["expect_cached"] = [len(warm) + n - 1]
         check_params = params(ANSWER, logprobs=2, cold=cold)
         if sc.get("batched"):
@@ -111,13 +107,7 @@ def play(llm: Any, length: int, vocab: int, cold: bool) -> dict:
         results[sc["name"]] = {
             "prompts": checks,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "margins": [
-                [
-                    sorted((x.logprob for x in lp.values()), reverse=True)[:2]
-                    for lp in o.outputs[0].logprobs
-                ]
-                for o in outs
-            ],
+            "margins": [[top2(lp) for lp in o.outputs[0].logprobs] for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "expect_cached": sc.get("expect_cached"),
         }
@@ -128,20 +118,21 @@ def timings(llm: Any, vocab: int, prefill_len: int) -> dict[str, float]:
     """Cold prefill tokens/s of one long prompt (after a warm-up prompt of the same length) and
     decode tokens/s of 8 requests: (time of 257 tokens - time of 1 token) over 8 x 256 tokens.
     Every timed prompt is new, so neither engine can serve any of it from its cache."""
-    run(llm, [prompt(1000, prefill_len, vocab)], params(1))  # kernels compiled and warm
+    run(llm, [random_prompt(1000, prefill_len, vocab)], params(1))  # kernels compiled and warm
     rates = {}
     # With prefill_len a multiple of the chunk, prefill_len + 1 tokens put the tail tap on a
     # chunk boundary: no extra pass; prefill_len tokens pay one (the split at floor64(n - 1)).
     for length in (prefill_len, prefill_len + 1):
         best = 0.0
         for rep in range(2):
+            timed = random_prompt(5000 + 100 * rep + length - prefill_len, length, vocab)
             t = time.perf_counter()
-            run(llm, [prompt(5000 + 100 * rep + length - prefill_len, length, vocab)], params(1))
+            run(llm, [timed], params(1))
             best = max(best, length / (time.perf_counter() - t))
         rates[length] = best
     seconds = {}
     for tokens in (1, 257):
-        batch = [prompt(2000 + 10 * tokens + i, 64, vocab) for i in range(8)]
+        batch = [random_prompt(2000 + 10 * tokens + i, 64, vocab) for i in range(8)]
         t = time.perf_counter()
         run(llm, batch, params(tokens))
         seconds[tokens] = time.perf_counter() - t
@@ -155,19 +146,16 @@ def timings(llm: Any, vocab: int, prefill_len: int) -> dict[str, float]:
 def engine(model: str, max_len: int, hybrid: bool, load_format: str, eager: bool) -> Any:
     from vllm import LLM
 
-    config: dict[str, Any] = {"gdn_prefill_backend": "triton"}
-    if hybrid:
-        config["kv_cache_manager"] = "hybrid-prefix"
-    return LLM(
-        model=model,
+    config = {"kv_cache_manager": "hybrid-prefix"} if hybrid else {}
+    kwargs = gpu_engine_kwargs(
+        model,
+        eager,
+        config,
         load_format=load_format,
-        skip_tokenizer_init=True,
         max_model_len=max_len,
         gpu_memory_utilization=0.85,
-        enforce_eager=eager,
-        additional_config=config,
-        seed=0,
     )
+    return LLM(**kwargs)
 
 
 def tap_copy_ms(model: str) -> float:
@@ -207,11 +195,11 @@ def main() -> None:
     ap.add_argument("--reuse", help="JSON of an earlier run whose cold engine results to keep")
     ap.add_argument("--load-format", default="dummy", help="auto: the model's own weights")
     ap.add_argument("--scenarios-only", action="store_true", help="no speed measurements")
-    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
+    add_eager_option(ap)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(args.model)
     report: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     if not args.scenarios_only:
         report.setdefault("tap_copy_ms", tap_copy_ms(args.model))
@@ -234,8 +222,7 @@ def main() -> None:
         del llm
         (out / "gpu_device_tier.json").write_text(json.dumps(report))
     lines = compare(report, args)
-    (out / "gpu_device_tier.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    publish(lines, out / "gpu_device_tier.md", flush=True)
 
 
 def execution_mode(llm: Any) -> str:

@@ -22,17 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_common import add_eager_option, gpu_engine_kwargs, random_prompt, vocab_size
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def prompt(seed: int, length: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(length)]
+    """Token ids drawn from the whole vocabulary."""
+    return random_prompt(seed, length, vocab, low=0)
 
 
 def timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
@@ -97,40 +98,13 @@ def pinned_peak_gbps(nbytes: int = 2**30) -> float:
     return nbytes / best / 1e9
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--length", type=int, default=100_000)
-    ap.add_argument("--host-mib", type=int, default=24_576)
-    ap.add_argument("--kv-gib", type=float, default=14.0)
-    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
-    args = ap.parse_args()
-    from vllm import LLM
-
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    llm = LLM(
-        model=args.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=args.length + 512,
-        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
-        max_num_seqs=16,
-        enforce_eager=args.eager,
-        seed=0,
-        additional_config={
-            "kv_cache_manager": "hybrid-prefix",
-            "host_cache_mib": args.host_mib,
-            "gdn_prefill_backend": "triton",
-        },
-    )
+def host_ttft(llm: Any, vocab: int, n: int, long: list[list[int]], report: dict) -> None:
+    """TTFT of the prefix ``long[0]`` resumed from the host, against a cold prompt of the same
+    length and the same prefix resumed from the device; the host restore's bandwidth."""
     cache = cache_of(llm)
-    report: dict[str, Any] = {"args": vars(args)}
-    timed(llm, [prompt(1, 4096, vocab)], 1)  # kernels warm
-    n = args.length
-    long_a, long_b, long_c, fresh = (prompt(seed, n, vocab) for seed in (10, 11, 12, 13))
+    long_a, long_b, long_c = long
     # Cold: a prompt of the same length nothing is cached for.
-    report["cold_ttft_s"], _ = timed(llm, [[*fresh, *prompt(13, 100, vocab)]], 1)
+    report["cold_ttft_s"], _ = timed(llm, [[*prompt(13, n, vocab), *prompt(13, 100, vocab)]], 1)
     timed(llm, [long_a], 1)  # the conversation so far: its tail tap is at floor64(n - 1)
     for other in (long_b, long_c):  # push long_a off the device (written through to the host)
         timed(llm, [other], 1)
@@ -152,25 +126,60 @@ def main() -> None:
     report["device_ttft_s"], device = timed(llm, [[*long_a, *prompt(15, 100, vocab)]], 1)
     report["device_cached_tokens"] = device[0].num_cached_tokens
     report["speedup_host_vs_cold"] = report["cold_ttft_s"] / report["host_ttft_s"]
-    print(json.dumps(report, indent=1), flush=True)
 
-    # Decode of 8 running requests, step by step: alone, then while a ninth request is admitted
-    # from the device, then while one is admitted from the host (same prefix, pushed off again).
+
+def decode_under_admission(llm: Any, vocab: int, n: int, prefix: list[int], report: dict) -> None:
+    """Decode of 8 running requests, step by step: alone, then while a ninth request is
+    admitted with ``prefix`` from the device, then from the host (pushed off again)."""
+    cache = cache_of(llm)
     report["decode_step_ms_alone"] = decode_steps(llm, vocab, 300, None)
     report["decode_step_ms_device_admission"] = decode_steps(
-        llm, vocab, 400, [*long_a, *prompt(16, 100, vocab)]
+        llm, vocab, 400, [*prefix, *prompt(16, 100, vocab)]
     )
     for seed in (20, 21):  # new prompts: the cached long_b and long_c would not push
         timed(llm, [prompt(seed, n, vocab)], 1)
     # Their write-through (2 x ~6 GB) is issued in the steps after them: let it land before the
-    # window, so the window sees the restore's copies and not those writes (run 4 did not).
+    # window, so the window sees the restore's copies and not those writes (the run recorded in
+    # results/gpu_host_tier_run4.json did not).
     timed(llm, [prompt(22, 64, vocab)], 16)
     host_before = cache.admissions.hit_tokens_host
     report["decode_step_ms_host_restore"] = decode_steps(
-        llm, vocab, 500, [*long_a, *prompt(17, 100, vocab)]
+        llm, vocab, 500, [*prefix, *prompt(17, 100, vocab)]
     )
     report["decode_host_restore_hit_tokens"] = cache.admissions.hit_tokens_host - host_before
-    report["telemetry"] = cache.telemetry()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=100_000)
+    ap.add_argument("--host-mib", type=int, default=24_576)
+    ap.add_argument("--kv-gib", type=float, default=14.0)
+    add_eager_option(ap)
+    args = ap.parse_args()
+    from vllm import LLM
+
+    vocab = vocab_size(args.model)
+    extra = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": args.host_mib}
+    llm = LLM(
+        **gpu_engine_kwargs(
+            args.model,
+            args.eager,
+            extra,
+            max_model_len=args.length + 512,
+            kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+            max_num_seqs=16,
+        )
+    )
+    report: dict[str, Any] = {"args": vars(args)}
+    timed(llm, [prompt(1, 4096, vocab)], 1)  # kernels warm
+    n = args.length
+    long = [prompt(seed, n, vocab) for seed in (10, 11, 12)]
+    host_ttft(llm, vocab, n, long, report)
+    print(json.dumps(report, indent=1), flush=True)
+    decode_under_admission(llm, vocab, n, long[0], report)
+    report["telemetry"] = cache_of(llm).telemetry()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_host_tier.json").write_text(json.dumps(report, indent=1))

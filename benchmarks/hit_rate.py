@@ -33,6 +33,7 @@ from bench_common import (
     ratio,
     revision,
     source_digest,
+    table_head,
     times,
     vllm_cpu,
 )
@@ -189,9 +190,16 @@ def _hit_rates(runs: dict[str, Run]) -> list[str]:
         "Hit rate = cached prompt tokens (`RequestOutput.num_cached_tokens`) / prompt tokens, "
         "over all requests of the workload, first request included.",
         "",
-        "| workload | requests | prompt tokens | native: cached (rate) | native dense: cached "
-        "(rate) | hybrid-prefix: cached (rate) | hybrid / native | hybrid / native dense |",
-        "|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "workload",
+            "requests",
+            "prompt tokens",
+            "native: cached (rate)",
+            "native dense: cached (rate)",
+            "hybrid-prefix: cached (rate)",
+            "hybrid / native",
+            "hybrid / native dense",
+        ),
     ]
     for name in WORKLOADS:
         stats = [rate(run.served[name]) for run in (native, dense, hybrid)]
@@ -216,9 +224,13 @@ def _answers(runs: dict[str, Run]) -> list[str]:
         "`#request prompt`: the prompt already differs (agent loop after a divergence). Last "
         "column: requests whose answers differ between hybrid-prefix and native.",
         "",
-        f"| workload | native vs {REFERENCE[0]} | native dense vs {REFERENCE[0]} | hybrid-prefix "
-        f"vs {REFERENCE[0]} | hybrid-prefix vs native |",
-        "|---|---|---|---|---|",
+        *table_head(
+            "workload",
+            f"native vs {REFERENCE[0]}",
+            f"native dense vs {REFERENCE[0]}",
+            f"hybrid-prefix vs {REFERENCE[0]}",
+            "hybrid-prefix vs native",
+        ),
     ]
     for name in WORKLOADS:
         cells = [
@@ -239,9 +251,16 @@ def _engines(runs: dict[str, Run]) -> list[str]:
         "started; block and prefill chunk as resolved by vLLM; KV capacity as vLLM logs it) and "
         "wall time in seconds:",
         "",
-        "| configuration | vllm_hpc sources | block | prefill chunk | KV capacity (tokens) | "
-        f"engine start | {' | '.join(WORKLOADS)} | total |",
-        f"|---|---|---|---|---|---|{'---|' * len(WORKLOADS)}---|",
+        *table_head(
+            "configuration",
+            "vllm_hpc sources",
+            "block",
+            "prefill chunk",
+            "KV capacity (tokens)",
+            "engine start",
+            *WORKLOADS,
+            "total",
+        ),
     ]
     for config, run in runs.items():
         seconds = " | ".join(f"{s:.1f}" for s in run.workload_s.values())

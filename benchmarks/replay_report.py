@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import publish, ratio, times
+from bench_common import publish, ratio, table_head, times
 
 from vllm_hpc.exactness import NEAR_TIE
 
@@ -178,8 +178,7 @@ def _targets(data: dict[str, Any], table: Table) -> list[str]:
     if BASELINE not in table or not ours:
         return lines
     lines += [
-        "| target | goal | " + " | ".join(f"{c} | met" for c in ours) + " |",
-        "|---|---|" + "---|---|" * len(ours),
+        *table_head("target", "goal", *(column for c in ours for column in (c, "met"))),
     ]
     for label, workload, key, sense, goal in TARGETS:
         cells = []
@@ -210,10 +209,24 @@ def _per_workload(data: dict[str, Any], table: Table) -> list[str]:
         "",
         "## Per workload",
         "",
-        "| workload | configuration | requests | prompt tokens | cached | computed | hit rate | "
-        "vs native | TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | decode ms/token p50 | "
-        "output tok/s | peak host GiB | peak device GiB | peak load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "workload",
+            "configuration",
+            "requests",
+            "prompt tokens",
+            "cached",
+            "computed",
+            "hit rate",
+            "vs native",
+            "TTFT p50 (s)",
+            "TTFT p95 (s)",
+            "e2e p50 (s)",
+            "decode ms/token p50",
+            "output tok/s",
+            "peak host GiB",
+            "peak device GiB",
+            "peak load",
+        ),
     ]
     for w in _workloads(data):
         for c in data["configs"]:
@@ -266,9 +279,15 @@ def _engines(data: dict[str, Any]) -> list[str]:
         "",
         "## Engines",
         "",
-        "| configuration | vllm_hpc sources | block | prefill chunk | KV capacity (tokens) | "
-        "start-up (s) | engine arguments |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "configuration",
+            "vllm_hpc sources",
+            "block",
+            "prefill chunk",
+            "KV capacity (tokens)",
+            "start-up (s)",
+            "engine arguments",
+        ),
     ]
     for c in data["configs"]:
         e = data["configs"][c]["engine"]

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from bench_common import RESULTS, margin, publish, vllm_cpu
+from bench_common import RESULTS, margin, publish, table_head, vllm_cpu
 
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, TinyQwen35Recipe, llm_kwargs, tiny_model_path
 
@@ -88,9 +88,15 @@ def report(args: Any, rows: list[str], seconds: float) -> list[str]:
         f"{args.tokens} greedy tokens each, {mode}; prefill chunk (max_num_batched_tokens) "
         f"{CHUNKS[0]} vs {CHUNKS[1]}; no prefix caching.",
         "",
-        "| recipe | median margin (nat) | p5 margin | p1 margin | prompts identical over all "
-        "tokens | first differing token of the others | same chunking, fresh engine: identical |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "recipe",
+            "median margin (nat)",
+            "p5 margin",
+            "p1 margin",
+            "prompts identical over all tokens",
+            "first differing token of the others",
+            "same chunking, fresh engine: identical",
+        ),
         *rows,
         "",
         "Margin: logprob of the greedy token minus that of the runner-up, at the "

@@ -113,6 +113,15 @@ def gpu_engine_kwargs(
     }
 
 
+def gpu_parser() -> argparse.ArgumentParser:
+    """The options of every GPU measurement script: ``--model`` (a model directory) and
+    ``--out`` (the directory for its reports), both required."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    return parser
+
+
 def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
     help_text = f"{scope}enforce_eager (default: vLLM's graphs)"
@@ -144,9 +153,9 @@ def pct(x: float) -> str:
     return f"{(x - 1) * 100:+.1f}%"
 
 
-def table_head(*columns: str) -> list[str]:
-    """A markdown table's header row and its rule."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+def table_head(header: str) -> list[str]:
+    """A markdown table's header row and its rule, from the column names joined by `` | ``."""
+    return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1)]
 
 
 def publish(lines: list[str], path: Path | None, flush: bool = False) -> None:

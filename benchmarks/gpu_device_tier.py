@@ -15,7 +15,6 @@ restored states are right. `--scenarios-only` skips the speed part (meaningless 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 from bench_common import (
     add_eager_option,
     gpu_engine_kwargs,
+    gpu_parser,
     publish,
     random_prompt,
     table_head,
@@ -193,9 +193,7 @@ def tap_copy_ms(model: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
+    ap = gpu_parser()
     ap.add_argument("--length", type=int, default=8000)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--prefill-len", type=int, default=16000)
@@ -245,7 +243,7 @@ def compare(report: dict[str, Any], args: Any) -> list[str]:
     lines = [
         f"Mode: cold engine {modes['cold']}; hybrid engine {modes['hybrid']}.",
         "",
-        *table_head("scenario", "cached (hybrid)", "expected", "greedy tokens vs cold"),
+        *table_head("scenario | cached (hybrid) | expected | greedy tokens vs cold"),
     ]
     cold, hyb = report["cold"]["scenarios"], report["hybrid"]["scenarios"]
     for name, res in hyb.items():
@@ -263,11 +261,8 @@ def compare(report: dict[str, Any], args: Any) -> list[str]:
     lines += [
         "",
         *table_head(
-            "engine",
-            f"cold prefill tok/s, {args.prefill_len} tokens",
-            f"same, {args.prefill_len + 1} tokens",
-            "decode tok/s (8 x 256)",
-            "start-up s",
+            f"engine | cold prefill tok/s, {args.prefill_len} tokens | same, "
+            f"{args.prefill_len + 1} tokens | decode tok/s (8 x 256) | start-up s"
         ),
         f"| vLLM built-in caching | {c['prefill_tok_s']:.0f} | {c['prefill_aligned_tok_s']:.0f} "
         f"| {c['decode_tok_s']:.0f} | {report['cold']['startup_s']:.0f} |",

@@ -19,14 +19,13 @@ one contiguous pinned host-to-device copy of 1 GiB timed in the same process (th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import add_eager_option, gpu_engine_kwargs, random_prompt, vocab_size
+from bench_common import add_eager_option, gpu_engine_kwargs, gpu_parser, random_prompt, vocab_size
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -150,9 +149,7 @@ def decode_under_admission(llm: Any, vocab: int, n: int, prefix: list[int], repo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
+    ap = gpu_parser()
     ap.add_argument("--length", type=int, default=100_000)
     ap.add_argument("--host-mib", type=int, default=24_576)
     ap.add_argument("--kv-gib", type=float, default=14.0)

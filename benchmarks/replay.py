@@ -43,7 +43,6 @@ from bench_common import (
     add_eager_option,
     cpu_machine,
     gpu_engine_kwargs,
-    gpu_machine,
     margin,
     revision,
     source_digest,
@@ -320,6 +319,18 @@ async def run_config(
     return result
 
 
+def machine(model: str | None) -> str:
+    """The GPUs (nvidia-smi's names, no CUDA context in this process) and the CPU cores of a
+    run on a model directory; the CPU on the tiny model or without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if model and smi:
+        names = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+        return f"{names} ({os.cpu_count()} CPU cores)"
+    return cpu_machine()
+
+
 def parse_args() -> tuple[argparse.Namespace, Profile]:
     """The options, and the profile they pick with its fields overridden by theirs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -370,7 +381,7 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         raise SystemExit(f"--resume: {args.resume} ran another profile: {data['profile']}")
     data.update(
         vllm=vllm.__version__,
-        machine=(args.model and gpu_machine()) or cpu_machine(),
+        machine=machine(args.model),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
     )

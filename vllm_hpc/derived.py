@@ -18,7 +18,7 @@ from vllm_hpc.index.tap_planner import (
     SPEC_TAPS_HOST,
 )
 from vllm_hpc.options import OptionError
-from vllm_hpc.runtime.cache import RuntimeConfig
+from vllm_hpc.runtime.records import RuntimeConfig
 
 if TYPE_CHECKING:
     from vllm_hpc.options import PluginOptions

@@ -11,7 +11,7 @@ Candidates in priority order::
     6 every chunk boundary      flexible  Tap        only with ``dense_flexible``
 
 An exact tap is captured at its position, a flexible one where it costs no extra forward pass:
-the runtime realizes them (`vllm_hpc.runtime.cache`: at a chunk's end, or inside the pass where
+the runtime realizes them (`vllm_hpc.runtime.capture`: at a chunk's end, or inside the pass where
 the workers can). A position need not be a multiple of 64: a tap inside a block publishes with
 a tail. The plan is a pure function of its inputs.
 """

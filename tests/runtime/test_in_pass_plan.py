@@ -7,42 +7,11 @@ must publish it after the step like any capture; elsewhere taps keep splitting t
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
-from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo, RuntimeConfig
-from vllm_hpc.runtime.plan import InPassCapture
-
-CHUNK = 1024
-
-
-def make_cache(in_pass: bool, dense: bool = False) -> HybridPrefixCache:
-    policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
-    policy = TapPolicy(
-        max_new_taps=16,
-        ladder_tokens=policy.ladder_tokens,
-        min_gap_tokens=policy.min_gap_tokens,
-        chunk_tokens=policy.chunk_tokens,
-        dense_flexible=dense,
-    )
-    return HybridPrefixCache(
-        RuntimeConfig(
-            index=IndexConfig(
-                device_pages=400, geometry=HostGeometry(1024, 4096), snapshot_slots=24
-            ),
-            active_slots=4,
-            tap_policy=policy,
-            chunk_tokens=CHUNK,
-            in_pass_taps=in_pass,
-        )
-    )
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(n)]
+from tests.runtime.driver import CHUNK, make_cache, prompt, run
+from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo
+from vllm_hpc.runtime.plan import InPassCapture, StepPlan
 
 
 def prefill(
@@ -50,38 +19,10 @@ def prefill(
     tokens: list[int],
     breakpoints: tuple[int, ...] = (),
     budget: int = CHUNK,
-):
-    """Admit and prefill ``tokens`` in chunks of at most ``budget`` tokens as vLLM's scheduler
-    would, committing after each step; returns the chunks run and each step's plan."""
-    info = RequestInfo("r", tokens, len(tokens), breakpoints=breakpoints)
-    cache.new_step()
-    lookup = cache.lookup(info)
-    start = lookup.frontier
-    n = len(tokens)
-    chunks, plans = [], []
-    seq = None
-    while start < n:
-        size = min(budget, n - start)
-        taps = seq.taps if seq is not None else lookup.taps
-        size = cache.chunk_limit(taps, start, size, n)
-        if seq is None:
-            seq = cache.admit(info, lookup, size)
-            assert seq is not None
-        else:
-            assert cache.grow(seq, start + size) is not None
-        cache.on_scheduled(seq, tokens, start, start + size)
-        plans.append(cache.take_plan())
-        chunks.append((start, start + size))
-        start += size
-        cache.commit(seq, tokens, start)
-        cache.new_step()
-    assert seq is not None
-    cache.finish(seq, tokens, n)
-    cache.new_step()
-    cache.take_plan()
-    cache.new_step()
-    cache.audit()
-    return chunks, plans
+) -> tuple[list[tuple[int, int]], list[StepPlan]]:
+    """The chunks a prompt ran in and each step's plan (`driver.run`, no answer)."""
+    result = run(cache, tokens, breakpoints=breakpoints, budget=budget)
+    return result.chunks, result.plans
 
 
 def snapshot_frontiers(cache: HybridPrefixCache) -> list[int]:

@@ -1,0 +1,113 @@
+"""Drives `HybridPrefixCache` as vLLM's scheduler does, without vLLM: the runtime tests' harness.
+
+`run` takes one request through lookup, admission, chunked prefill, decode and finish, one
+engine step at a time (`new_step`, the chunk, `take_plan`, `commit`), and audits the cache at
+the end. Tokens are plain ints; a step's "forward pass" is the plan it hands out.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_hpc.index import HostGeometry, IndexConfig, MediaItem, TapPolicy
+from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.plan import StepPlan
+
+CHUNK = 1024
+
+
+def make_cache(
+    *,
+    in_pass: bool = False,
+    dense: bool = False,
+    pages: int = 400,
+    active_slots: int = 4,
+    snapshot_slots: int = 24,
+    max_new_taps: int = 16,
+) -> HybridPrefixCache:
+    policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
+    policy = TapPolicy(
+        max_new_taps=max_new_taps,
+        ladder_tokens=policy.ladder_tokens,
+        min_gap_tokens=policy.min_gap_tokens,
+        chunk_tokens=policy.chunk_tokens,
+        dense_flexible=dense,
+    )
+    index = IndexConfig(
+        device_pages=pages, geometry=HostGeometry(1024, 4096), snapshot_slots=snapshot_slots
+    )
+    return HybridPrefixCache(
+        RuntimeConfig(
+            index=index,
+            active_slots=active_slots,
+            tap_policy=policy,
+            chunk_tokens=CHUNK,
+            in_pass_taps=in_pass,
+        )
+    )
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+@dataclass
+class Run:
+    frontier: int
+    """Tokens the cache served: the request prefilled [frontier, n)."""
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    plans: list[StepPlan] = field(default_factory=list)
+
+
+def run(
+    cache: HybridPrefixCache,
+    tokens: Sequence[int],
+    answer: Sequence[int] = (),
+    *,
+    request_id: str = "r",
+    breakpoints: tuple[int, ...] = (),
+    media: tuple[MediaItem, ...] = (),
+    salt: str | None = None,
+    budget: int = CHUNK,
+) -> Run:
+    """Prefill ``tokens`` in chunks of at most ``budget`` tokens, decode ``answer`` one token a
+    step, finish, and audit."""
+    all_tokens = list(tokens)
+    n = len(all_tokens)
+
+    def info() -> RequestInfo:
+        return RequestInfo(request_id, all_tokens, n, salt, breakpoints, media=media)
+
+    cache.new_step()
+    lookup = cache.lookup(info())
+    result = Run(lookup.frontier)
+    start = lookup.frontier
+    lane = None
+    computed_end = n + max(len(answer) - 1, 0)  # the last sampled token is never computed
+    while start < computed_end:
+        size = min(budget, n - start) if start < n else 1
+        taps = lane.taps if lane is not None else lookup.taps
+        size = cache.chunk_limit(taps, start, size, n)
+        if lane is None:
+            lane = cache.admit(info(), lookup, size)
+            assert lane is not None, "no room to admit"
+        else:
+            assert cache.grow(lane, start + size) is not None, "no room to grow"
+        cache.on_scheduled(lane, all_tokens, start, start + size)
+        result.plans.append(cache.take_plan())
+        result.chunks.append((start, start + size))
+        start += size
+        if n <= start < n + len(answer):  # the step sampled the token at position `start`
+            all_tokens.append(answer[start - n])
+        cache.commit(lane, all_tokens, start)
+        cache.new_step()
+    assert lane is not None
+    cache.finish(lane, all_tokens, start)
+    cache.new_step()
+    cache.take_plan()
+    cache.new_step()
+    cache.audit()
+    return result

@@ -1,0 +1,100 @@
+"""The runtime's request life cycle without vLLM, in the manner of vLLM's own
+`tests/v1/core/test_prefix_caching.py`: requests driven step by step (`driver.run`), then what
+a later request is served and what the cache holds, with the audit after every request."""
+
+from __future__ import annotations
+
+from tests.runtime.driver import make_cache, prompt, run
+from vllm_hpc.index import BLOCK_TOKENS, MediaItem
+from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo
+from vllm_hpc.runtime.lane import Lane
+
+
+def test_a_next_turn_resumes_from_the_endpoint_of_the_last() -> None:
+    cache = make_cache()
+    first, answer = prompt(1000, seed=1), prompt(80, seed=2)
+    assert run(cache, first, answer).frontier == 0
+    turn = first + answer + prompt(100, seed=3)
+    assert run(cache, turn).frontier == len(first) + len(answer) - 1
+
+
+def test_a_shared_prefix_resumes_at_the_prompt_tail_tap() -> None:
+    cache = make_cache()
+    shared = prompt(1000, seed=4)
+    run(cache, shared)
+    frontier = run(cache, shared + prompt(300, seed=5)).frontier
+    assert frontier == (len(shared) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def test_tenants_never_read_each_others_entries() -> None:
+    cache = make_cache()
+    tokens = prompt(900, seed=6)
+    run(cache, tokens, salt="a")
+    assert run(cache, tokens, salt="b").frontier == 0
+    assert run(cache, tokens).frontier == 0  # no salt is a tenant of its own
+    assert run(cache, tokens, salt="a").frontier == 896
+
+
+def test_media_keys_the_blocks_an_item_touches_and_the_blocks_after_it() -> None:
+    cache = make_cache()
+    tokens = prompt(900, seed=7)
+
+    def item(digest: bytes) -> tuple[MediaItem, ...]:
+        return (MediaItem(begin=100, length=200, digest=digest),)
+
+    run(cache, tokens, media=item(b"a" * 16))
+    assert run(cache, tokens, media=item(b"b" * 16)).frontier == 0
+    assert run(cache, tokens).frontier == 0  # the same token ids without the image
+    assert run(cache, tokens, media=item(b"a" * 16)).frontier == 896
+
+
+def _admit(cache: HybridPrefixCache, request_id: str, tokens: list[int]) -> Lane | None:
+    """Admit a request and schedule its whole prompt as one chunk; None when it must wait."""
+    info = RequestInfo(request_id, tokens, len(tokens))
+    cache.new_step()
+    lookup = cache.lookup(info)
+    lane = cache.admit(info, lookup, len(tokens) - lookup.frontier)
+    if lane is not None:
+        cache.on_scheduled(lane, tokens, lookup.frontier, len(tokens))
+    cache.take_plan()
+    return lane
+
+
+def test_a_request_waits_while_every_active_slot_is_held() -> None:
+    cache = make_cache(active_slots=1)
+    first, second = prompt(300, seed=8), prompt(300, seed=9)
+    running = _admit(cache, "first", first)
+    assert running is not None
+    assert _admit(cache, "second", second) is None  # no slot: it waits, nothing is held for it
+    cache.commit(running, first, len(first))
+    cache.finish(running, first, len(first))
+    later = _admit(cache, "second", second)
+    assert later is not None and later.slot == running.slot
+    cache.finish(later, second, len(second))
+    cache.new_step()
+    cache.take_plan()
+    cache.new_step()
+    cache.audit()
+
+
+def test_reset_is_refused_while_a_request_runs_then_clears_the_cache() -> None:
+    cache = make_cache()
+    tokens = prompt(700, seed=10)
+    run(cache, tokens)
+    lane = _admit(cache, "running", prompt(200, seed=11))
+    assert lane is not None
+    assert not cache.reset()
+    cache.finish(lane, (lane.prompt and []) or prompt(200, seed=11), 0)
+    cache.new_step()
+    assert cache.reset()
+    cache.audit()
+    assert run(cache, tokens).frontier == 0
+
+
+def test_a_small_pool_evicts_the_oldest_entries_first() -> None:
+    cache = make_cache(pages=40)  # 2,560 tokens
+    oldest, middle, newest = (prompt(900, seed=s) for s in (12, 13, 14))
+    for tokens in (oldest, middle, newest):
+        run(cache, tokens)
+    assert run(cache, newest).frontier == 896
+    assert run(cache, oldest).frontier == 0  # its pages went to the later prompts

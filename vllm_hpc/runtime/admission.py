@@ -1,0 +1,291 @@
+"""Admission: a waiting request's lookup, its wait for a sibling (in-flight coalescing), the
+prefetch a blocked head gets, and the admission itself: source, active state slot, pages.
+
+A lookup is read-only for the index (§6.1-§6.3). `admit` takes the quoted source and the first
+chunk's pages, or returns None and the request waits; vLLM keeps the queue's head waiting, so
+nothing behind it overtakes it.
+"""
+
+from __future__ import annotations
+
+from vllm_hpc.index import (
+    BLOCK_TOKENS,
+    PageId,
+    PrefixIndex,
+    PreparedPrompt,
+    Readiness,
+    Restore,
+    SnapshotKind,
+    TapHint,
+    TapPlanner,
+    TapRequest,
+    TapSource,
+)
+from vllm_hpc.runtime.capture import aligned_tail, pages_for, plan_exact_tap
+from vllm_hpc.runtime.lane import Lane
+from vllm_hpc.runtime.pipeline import StepPipeline
+from vllm_hpc.runtime.plan import HostRestore, ImageCopy, PageCopy, PageSlab, StateCopy
+from vllm_hpc.runtime.records import InfeasibleRequest, Lookup, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.telemetry import AdmissionCounters
+
+
+class Admission:
+    def __init__(self, config: RuntimeConfig, index: PrefixIndex, pipeline: StepPipeline) -> None:
+        if config.active_slots <= 0:
+            raise ValueError(f"need at least one active state slot, got {config.active_slots}")
+        self.config = config
+        self.index = index
+        self.pipeline = pipeline
+        self.planner = TapPlanner(config.tap_policy)
+        self.free_slots = list(range(config.active_slots, 0, -1))
+        """Active state slots 1..C not held by a running request (0 is the workers' scratch)."""
+        self.live: set[Lane] = set()
+        """Admitted requests not yet finished."""
+        self.counters = AdmissionCounters()
+        self._prepared: dict[str, PreparedPrompt] = {}
+        self._waited: set[str] = set()
+        """Waiting requests that held back for a sibling's snapshot (§12.2)."""
+
+    def leave(self, lane: Lane) -> None:
+        """The lane finished: its active slot is free again."""
+        self.live.remove(lane)
+        self.free_slots.append(lane.slot)
+
+    def lookup(self, request: RequestInfo) -> Lookup:
+        """Match the prompt, choose the source and plan the taps (§6.1-6.3, §7.1). Read-only."""
+        n = len(request.token_ids)
+        if not self.config.prefix_reuse:
+            return Lookup(None, 0, [])
+        prompt = self._prepared.get(request.request_id)
+        if prompt is None or prompt.num_tokens != n:
+            # Hashing is the costly part of a lookup, and a waiting request is looked up again
+            # every step until it is admitted: keep its prepared prompt until then.
+            prompt = self.index.prepare_prompt(
+                request.token_ids, media=request.media, cache_salt=request.cache_salt
+            )
+            self._prepared[request.request_id] = prompt
+        match = self.index.match(prompt)
+        if not request.read_cache:
+            match = type(match)(prompt, match.root, [], [])
+        chunk = self.config.chunk_tokens
+
+        def growth(frontier: int) -> int:
+            end = min(n, frontier + chunk)
+            return max(0, pages_for(end) - pages_for(frontier))
+
+        quote = self.index.quote(match, growth)
+        if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
+            raise InfeasibleRequest(
+                f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
+                f"{BLOCK_TOKENS} tokens; the device pool has {self.config.index.device_pages}"
+            )
+        frontier = quote.source.frontier if quote.source is not None else 0
+        # A breakpoint at 1 would save one token and end a one-token first chunk, which vLLM's
+        # CPU GDN kernel cannot prefill (it stops the engine): it is ignored.
+        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints if p > 1]
+        hints.extend(request.template_hints)
+        # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
+        # lets the next request sharing this prefix resume there.
+        junction = match.matched_tokens
+        if frontier < junction <= request.num_prompt_tokens - 1:
+            hints.append(TapHint(junction, TapSource.STRUCTURAL))
+        snapshot = quote.source.snapshot if quote.source is not None else None
+        from_endpoint = snapshot is not None and snapshot.kind is SnapshotKind.ENDPOINT
+        taps = self.planner.plan(
+            TapRequest(
+                num_tokens=request.num_prompt_tokens,
+                base=frontier,
+                hints=hints,
+                existing=match.frontiers,
+                media=prompt.media,
+                resumed_from_endpoint=from_endpoint,
+            )
+        )
+        taps = aligned_tail(taps, frontier, match.frontiers, from_endpoint)
+        # A media prompt never waits on a sibling (§12.2): its blocks are keyed by the items too.
+        coalesce = request.read_cache and not prompt.media
+        sibling = self._sibling(prompt, request, frontier) if coalesce else None
+        if sibling is not None:
+            self._waited.add(request.request_id)
+        return Lookup(quote, frontier, taps, prompt, sibling, request.read_cache)
+
+    def _sibling(self, prompt: PreparedPrompt, request: RequestInfo, frontier: int) -> Lane | None:
+        """In-flight coalescing (§12.2): the running request whose snapshot, published soon, will
+        serve this prompt at least one block deeper than the cache serves it now.
+
+        The target is the last block boundary of the prefix both prompts share (and below each
+        one's last token). A sibling that has not reached it yet gets an exact Boundary tap
+        there; one that has passed it serves only through a capture still publishing. A wait
+        always ends: the sibling publishes, passes the target without a slot for it, or leaves.
+        """
+        best: Lane | None = None
+        deepest = frontier + BLOCK_TOKENS - 1
+        for lane in self.live:
+            other = lane.prompt
+            if other is None or other.media or other.cache_salt != prompt.cache_salt:
+                continue
+            shared = _shared_blocks(prompt, other) * BLOCK_TOKENS
+            limit = min(shared, request.num_prompt_tokens - 1, lane.num_prompt_tokens - 1)
+            target = limit - limit % BLOCK_TOKENS
+            if lane.scheduled_end >= target:
+                target = max((c.frontier for c in lane.captures if c.frontier <= target), default=0)
+            if target > deepest:
+                best, deepest = lane, target
+        if best is not None and best.scheduled_end < deepest:
+            plan_exact_tap(best, deepest)
+        return best
+
+    def prefetch(self, lookup: Lookup) -> None:
+        """The queue's head cannot be admitted now: copy its source's host-only blocks into
+        spare device pages while it waits (§6.6), so its admission restores only the rest.
+
+        The copies run on the restore stream like a restore's, before the next step's forward
+        passes read anything (the workers order them), so they complete at the next step.
+        The lookup's match serves unless the cache changed since (matching walks the whole
+        prompt); the index answers at once while nothing that could open a copy changed."""
+        quote = lookup.quote
+        if quote is None or lookup.prompt is None or not lookup.read_cache:
+            return
+        if lookup.sibling is not None:
+            return
+        match = quote.match if self.index.is_current(quote) else self.index.match(lookup.prompt)
+        prefetch = self.index.prefetch(match)
+        if prefetch is None:
+            return
+        blocks = tuple(PageSlab(copy.page, copy.slab) for copy in prefetch.copies)
+        self.pipeline.plan.prefetches.append(HostRestore(blocks, None, None))
+        self.pipeline.prefetched(prefetch)
+        self.pipeline.host.restore_bytes += len(blocks) * self.config.index.geometry.block_bytes
+
+    def forget(self, request_id: str) -> None:
+        """The request was admitted or left the queue: drop what its lookups kept."""
+        self._prepared.pop(request_id, None)
+        self._waited.discard(request_id)
+
+    def admit(
+        self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
+    ) -> Lane | None:
+        """Take the source, a state slot and pages for the first chunk; None: no room now."""
+        if not self.free_slots:
+            return None
+        frontier = lookup.frontier
+        quote = lookup.quote
+        end = frontier + num_new_tokens + lookahead
+        if lookup.sibling is not None:
+            return None
+        if quote is not None and quote.readiness is not Readiness.READY:
+            return None
+        need = pages_for(end) - frontier // BLOCK_TOKENS
+        if quote is None and need > self.index.available_pages:
+            return None
+        slot = self.free_slots.pop()
+        from_host = False
+        pages: list[PageId] = []
+        private: set[PageId] = set()
+        lease = None
+        if quote is not None:
+            admission = self.index.acquire(quote)
+            lease = admission.lease
+            pages = [node.device_page for node in lease.path]  # type: ignore[misc]
+            restore = admission.restore
+            if restore is not None:
+                from_host = self._plan_restore(restore, slot, pages, private)
+        new = self.pipeline.allocate(pages_for(end) - len(pages))
+        if new is None:
+            raise RuntimeError(f"a quoted admission of {request.request_id} found no pages")
+        pages.extend(new)
+        private.update(new)
+        lane = Lane(
+            request.request_id,
+            slot,
+            pages,
+            private,
+            lease,
+            frontier,
+            request.num_prompt_tokens,
+            prompt=lookup.prompt if lease is not None else None,
+            taps=list(lookup.taps),
+            newest_frontier=frontier,
+        )
+        self.live.add(lane)
+        if request.request_id in self._waited:
+            self.counters.coalesced_requests += 1
+        self.forget(request.request_id)
+        self.counters.prompt_tokens += len(request.token_ids)
+        if from_host:
+            self.counters.hit_tokens_host += frontier
+        else:
+            self.counters.hit_tokens_device += frontier
+        return lane
+
+    def _plan_restore(
+        self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]
+    ) -> bool:
+        """Plan the copies that put the snapshot into the lane; True when any come from the
+        host. The lane's copy of a host-only tail is restored from the slab too, so no device
+        copy has to wait for the restore."""
+        blocks = [PageSlab(copy.page, copy.slab) for copy in restore.blocks]
+        image = None
+        if restore.image_slot is not None:
+            source = self.pipeline.snapshot_pool_slot(restore.image_slot)
+            self.pipeline.plan.state_copies.append(StateCopy(source, slot))
+        else:
+            image = ImageCopy(slot, restore.image_slabs)
+        tail = None
+        if restore.tail is not None:
+            tail_slab, tail_page = restore.tail
+            tail = PageSlab(tail_page, tail_slab)
+        if restore.tail_page is not None:
+            cow = self._allocate_one()
+            if tail is not None:
+                blocks.append(PageSlab(cow, tail.slab))
+            else:
+                self.pipeline.plan.page_copies.append(PageCopy(restore.tail_page, cow))
+            pages.append(cow)
+            private.add(cow)
+        self.pipeline.land(restore)
+        if not blocks and image is None:
+            return False
+        self.pipeline.plan.host_restores.append(HostRestore(tuple(blocks), tail, image))
+        geometry = self.config.index.geometry
+        self.pipeline.host.restore_bytes += (
+            len(blocks) + (restore.tail is not None)
+        ) * geometry.block_bytes
+        self.pipeline.host.restore_bytes += geometry.image_bytes if image is not None else 0
+        return True
+
+    def grow(self, lane: Lane, num_tokens: int) -> list[PageId] | None:
+        """Pages so the block table covers ``num_tokens`` tokens; None when there is no room."""
+        new = self.pipeline.allocate(pages_for(num_tokens) - len(lane.pages))
+        if new is None:
+            return None
+        lane.pages.extend(new)
+        lane.private.update(new)
+        return new
+
+    def _allocate_one(self) -> PageId:
+        """A page the admission's quote already counted."""
+        pages = self.pipeline.allocate(1)
+        if not pages:
+            raise RuntimeError("a quoted admission found no page")
+        return pages[0]
+
+
+def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:
+    """Full blocks two prompts share from the start, compared exactly.
+
+    Lookup hashes are chained, so equal hashes at block k mean (barring a collision, which the
+    byte comparison catches) equal blocks 0..k: a binary search finds the shared run.
+    """
+    low, high = 0, min(len(a.block_hashes), len(b.block_hashes))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a.block_hashes[mid - 1] == b.block_hashes[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    exact = (
+        a.token_range(0, low * BLOCK_TOKENS) == b.token_range(0, low * BLOCK_TOKENS)
+        and a.block_extras[:low] == b.block_extras[:low]
+    )
+    return low if exact else 0

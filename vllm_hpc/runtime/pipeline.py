@@ -1,0 +1,189 @@
+"""The step pipeline: the copy plan being built, and what waits for a plan to be handed out.
+
+Every copy of a plan runs before the step's forward pass, in order. What the runtime does
+after a plan was handed out follows from that:
+
+- restores and prefetches whose copies are in a handed-out plan complete at the next step;
+- captures of the state after the step being planned are deferred: their copies join the next
+  plan (`defer`, then `begin_step` queues them);
+- pages a finished request releases may still be read by copies in the pending plan: they
+  return to the pool only after that plan was handed out (quarantine);
+- write-through records (released blocks, published snapshots) join the plan as one batch and
+  complete when the workers report the batch (`complete_writes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm_hpc.index import (
+    BlockWrite,
+    HostGeometry,
+    PageId,
+    Prefetch,
+    PrefixIndex,
+    Restore,
+    SlotId,
+    SnapshotWrite,
+)
+from vllm_hpc.runtime.lane import Capture, Lane
+from vllm_hpc.runtime.plan import HostWrite, ImageCopy, InPassCapture, PageSlab, StepPlan
+from vllm_hpc.runtime.telemetry import HostCounters
+
+WriteRecord = BlockWrite | SnapshotWrite
+
+
+class StepPipeline:
+    def __init__(self, index: PrefixIndex, geometry: HostGeometry, active_slots: int) -> None:
+        self.index = index
+        self.geometry = geometry
+        self.active_slots = active_slots
+        self.plan = StepPlan()
+        """The plan being built; `take_plan` hands it out."""
+        self.plans_taken = 0
+        self.host = HostCounters()
+        self._deferred: list[tuple[Lane, Capture]] = []
+        """Captures of the state after the step being planned: their copies join the next plan."""
+        self._landing: list[Restore] = []
+        """Restores whose copies are in a plan already handed out; complete at the next step."""
+        self._prefetching: list[Prefetch] = []
+        """Prefetches whose copies are in a plan already handed out; complete at the next step."""
+        self._quarantine: list[tuple[int, list[PageId]]] = []
+        self._new_pages: list[PageId] = []
+        self._write_batch: list[WriteRecord] = []
+        """Write-through planned for the plan being built."""
+        self._writing: dict[int, list[WriteRecord]] = {}
+        """Handed-out write batches the workers have not reported done, by batch number."""
+
+    def snapshot_pool_slot(self, slot: SlotId) -> int:
+        """Workers' pool id of index snapshot slot ``slot`` (after the scratch and active slots)."""
+        return 1 + self.active_slots + slot
+
+    # -- step boundaries --------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Earlier plans were handed out, so their copies precede the step being planned."""
+        for restore in self._landing:
+            self.index.complete_restore(restore)
+        self._landing.clear()
+        for prefetch in self._prefetching:
+            self.index.complete_prefetch(prefetch)
+        self._prefetching.clear()
+        keep = []
+        for taken_at, pages in self._quarantine:
+            if self.plans_taken > taken_at:
+                self.index.free_pages(pages)
+            else:
+                keep.append((taken_at, pages))
+        self._quarantine = keep
+        for lane, capture in self._deferred:
+            self.queue(lane, capture)
+        self._deferred.clear()
+
+    def take_plan(self) -> StepPlan:
+        """The copies the workers run before this step's forward pass."""
+        plan, self.plan = self.plan, StepPlan()
+        if self._write_batch:
+            plan.host_writes.append(self._host_write(self.plans_taken, self._write_batch))
+            self._writing[self.plans_taken] = self._write_batch
+            self._write_batch = []
+        self.plans_taken += 1
+        return plan
+
+    def _host_write(self, batch: int, records: list[WriteRecord]) -> HostWrite:
+        blocks: list[PageSlab] = []
+        images: list[ImageCopy] = []
+        for record in records:
+            if isinstance(record, BlockWrite):
+                blocks.extend(PageSlab(copy.page, copy.slab) for copy in record.copies)
+                continue
+            images.append(ImageCopy(self.snapshot_pool_slot(record.slot), record.image_slabs))
+            if record.tail_page is not None and record.tail_slab is not None:
+                blocks.append(PageSlab(record.tail_page, record.tail_slab))
+        self.host.write_bytes += len(blocks) * self.geometry.block_bytes
+        self.host.write_bytes += len(images) * self.geometry.image_bytes
+        return HostWrite(batch, tuple(blocks), tuple(images))
+
+    def complete_writes(self, batches: Sequence[int]) -> None:
+        """The workers finished these write-through batches: the host copies are resident."""
+        for batch in batches:
+            for record in self._writing.pop(batch, ()):
+                if isinstance(record, BlockWrite):
+                    self.index.complete_block_write(record)
+                else:
+                    self.index.complete_snapshot_write(record)
+
+    def take_new_pages(self) -> list[PageId]:
+        """Pages allocated since the last call (vLLM zeroes them before the step's copies)."""
+        pages, self._new_pages = self._new_pages, []
+        return pages
+
+    # -- what the other parts hand over -----------------------------------------------------
+
+    def allocate(self, count: int) -> list[PageId] | None:
+        """``count`` private pages, evicting cache as needed; None when there is no room."""
+        if count <= 0:
+            return []
+        pages = self.index.allocate_pages(count)
+        if pages is not None:
+            self._new_pages.extend(pages)
+        return pages
+
+    def queue(self, lane: Lane, capture: Capture) -> None:
+        """Put the capture's copies into the plan being built."""
+        lane.newest_frontier = max(lane.newest_frontier, capture.frontier)
+        copy = capture.state_copy
+        if isinstance(copy, InPassCapture):
+            self.plan.in_pass.append(copy)
+        else:
+            self.plan.state_copies.append(copy)
+        if capture.page_copy is not None:
+            self.plan.page_copies.append(capture.page_copy)
+            capture.page_copy_step = self.plans_taken
+        capture.copies_queued = True
+
+    def defer(self, lane: Lane, capture: Capture) -> None:
+        """Queue the capture's copies in the next plan: they copy the state after this step."""
+        self._deferred.append((lane, capture))
+
+    def undefer(self, lane: Lane, capture: Capture) -> None:
+        self._deferred.remove((lane, capture))
+
+    def land(self, restore: Restore) -> None:
+        self._landing.append(restore)
+
+    def prefetched(self, prefetch: Prefetch) -> None:
+        self._prefetching.append(prefetch)
+
+    def quarantine(self, pages: list[PageId]) -> None:
+        """Free ``pages`` once the plan being built was handed out (its copies may read them)."""
+        self._quarantine.append((self.plans_taken, pages))
+
+    def write_through(self, record: WriteRecord) -> None:
+        self._write_batch.append(record)
+
+    # -- audit and reset ---------------------------------------------------------------------
+
+    @property
+    def quarantined_pages(self) -> set[PageId]:
+        return {p for _, pages in self._quarantine for p in pages}
+
+    @property
+    def transfers_pending(self) -> int:
+        """Index transfers this pipeline will complete: restores, prefetches, writes."""
+        writing = sum(len(records) for records in self._writing.values())
+        return len(self._landing) + len(self._prefetching) + len(self._write_batch) + writing
+
+    def reset(self) -> None:
+        """Drop every pending copy and what waits on one (the caller clears the index)."""
+        self.plan = StepPlan()
+        for pending in (
+            self._deferred,
+            self._quarantine,
+            self._landing,
+            self._prefetching,
+            self._write_batch,
+            self._new_pages,
+        ):
+            pending.clear()
+        self._writing.clear()

@@ -1,0 +1,71 @@
+"""The records the runtime exchanges with its caller: its configuration, what it needs of a
+request, and a waiting request's lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_hpc.index import (
+    AdmissionQuote,
+    IndexConfig,
+    MediaItem,
+    PlannedTap,
+    PreparedPrompt,
+    TapHint,
+    TapPolicy,
+)
+from vllm_hpc.runtime.lane import Lane
+
+
+class InfeasibleRequest(ValueError):
+    """The request can never fit in the device KV pool, even with an empty cache."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    index: IndexConfig
+    active_slots: int
+    """C: state slots of running requests (pool ids 1..C; id 0 is the workers' scratch slot)."""
+    tap_policy: TapPolicy
+    chunk_tokens: int
+    """The scheduler's token budget per step: a new request's first chunk is at most this."""
+    prefix_reuse: bool = True
+    """False (--no-prefix-reuse): nothing is looked up, inserted or captured."""
+    in_pass_taps: bool = False
+    """The workers capture states inside a prefill pass, at 64-token offsets (CUDA's GDN kernel
+    computes them anyway): taps there need no chunk split."""
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the runtime needs of a request."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    """All tokens so far: the prompt, then generated tokens."""
+    num_prompt_tokens: int
+    cache_salt: str | None = None
+    breakpoints: tuple[int, ...] = ()
+    """Client-named reuse points (token positions): exact Boundary taps (§7.1)."""
+    template_hints: tuple[TapHint, ...] = ()
+    """Semantic positions the chat template marks: the generation opener, structural ends."""
+    read_cache: bool = True
+    media: tuple[MediaItem, ...] = ()
+    """The prompt's media items (images, videos): their identity keys the blocks they touch."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A waiting request's admission source and tap plan; valid until the cache changes."""
+
+    quote: AdmissionQuote | None
+    frontier: int
+    """Tokens served from the cache: the request prefills [frontier, n)."""
+    taps: list[PlannedTap]
+    prompt: PreparedPrompt | None = None
+    sibling: Lane | None = None
+    """A running request that is prefilling more of this prompt than the cache serves now: the
+    request waits for its snapshot instead of prefilling the same tokens (§12.2)."""
+    read_cache: bool = True
+    """False: the request reads nothing from the cache (its quote's match has no candidates)."""

@@ -1,5 +1,6 @@
 """Injected faults on the real engine (`vllm_hpc.faults`; in-process engines, so the worker sees
-the armed points): a host tier that cannot be allocated, and host copies that fail in a worker.
+the armed points): a host tier that cannot be allocated, and host copies and device state copies
+that fail in a worker.
 vLLM makes a worker's error engine-wide: the engine must stop with one message that says what
 failed, and an engine started afterwards must serve from a clean cache."""
 
@@ -52,9 +53,16 @@ def test_a_host_tier_that_cannot_be_allocated_fails_the_start_naming_the_option(
     assert any("host tier chunk 0" in m and "--host-cache-mib" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("point", ["host_write", "host_restore"])
-def test_a_failed_host_copy_stops_the_engine_saying_so_and_a_restart_serves(
-    point: str, cold: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("point", "says"),
+    [
+        ("host_write", "host tier: a copy"),
+        ("host_restore", "host tier: a copy"),
+        ("state_copy", "device state pool: a copy"),
+    ],
+)
+def test_a_failed_copy_stops_the_engine_saying_so_and_a_restart_serves(
+    point: str, says: str, cold: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = random_prompt(seed=1, length=1500)
     with running_llm(in_process=True, additional_config=HOSTED, **SMALL) as llm:
@@ -66,7 +74,7 @@ def test_a_failed_host_copy_stops_the_engine_saying_so_and_a_restart_serves(
             greedy(llm, [prompt], 8)
             greedy(llm, [random_prompt(seed=20, length=1500)], 4)
         messages = _messages(caught.value)
-        assert any("hybrid-prefix host tier: a copy" in m for m in messages), messages
+        assert any(f"hybrid-prefix {says}" in m for m in messages), messages
     monkeypatch.setattr(faults, "_ARMED", frozenset())
     with running_llm(in_process=True, additional_config=HOSTED, **SMALL) as llm:
         out = greedy(llm, [prompt], 8)[0]

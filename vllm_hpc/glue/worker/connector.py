@@ -22,8 +22,16 @@ from vllm_hpc.options import PluginOptions
 logger = logging.getLogger("vllm.vllm_hpc")
 
 
-class HostTierError(RuntimeError):
-    """A host tier copy failed in a worker; the message says what it means for the engine."""
+class CacheCopyError(RuntimeError):
+    """A copy the cache planned failed in a worker; the message says what it means for the
+    engine. vLLM makes a worker's error engine-wide, so the engine stops."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        super().__init__(
+            f"hybrid-prefix {what} failed in this worker ({type(error).__name__}: {error}). "
+            "The engine stops; a restarted engine starts with an empty cache (its device and "
+            "host copies are not reused)."
+        )
 
 
 class ConnectorWorker:
@@ -72,7 +80,12 @@ class ConnectorWorker:
         self._prefetches.clear()
         pool = self._state_pool()
         if connector_metadata.state_copies:
-            pool.copy(connector_metadata.state_copies)
+            try:
+                pool.copy(connector_metadata.state_copies)
+            except Exception as error:
+                raise CacheCopyError(
+                    "device state pool: a copy between state slots", error
+                ) from error
         captures = connector_metadata.in_pass
         pool.in_pass = StepCaptures.build(captures, pool.device) if captures else None
         arena = self._arena
@@ -87,12 +100,8 @@ class ConnectorWorker:
             for prefetch in connector_metadata.prefetches:
                 self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
-            # vLLM makes a worker's error engine-wide; say once what failed and what it means.
-            raise HostTierError(
-                f"hybrid-prefix host tier: a copy between the device and the host failed in "
-                f"this worker ({type(error).__name__}: {error}). The engine stops; a restarted "
-                "engine starts with an empty host tier (its device and host copies are not "
-                "reused)."
+            raise CacheCopyError(
+                "host tier: a copy between the device and the host", error
             ) from error
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)

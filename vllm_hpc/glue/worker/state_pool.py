@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_hpc.faults import InjectedFault, armed
 from vllm_hpc.glue.worker.in_pass import StepCaptures
 from vllm_hpc.runtime.plan import StateCopy
 
@@ -80,6 +81,8 @@ class StatePool:
     def copy(self, copies: Iterable[StateCopy]) -> None:
         """Apply slot-to-slot copies one after the other, in order (a later copy sees the
         result of an earlier one), each over every layer."""
+        if armed("state_copy"):
+            raise InjectedFault("injected state copy failure")
         for copy in copies:
             for tensors in self._layers.values():
                 for tensor in tensors:

@@ -234,6 +234,24 @@ def test_coalesced_requests_survive_the_abort_of_the_one_they_wait_for(
         assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
 
 
+def test_finished_before_its_last_tap_is_published(hybrid: Any, cold: Any) -> None:
+    """A request that ends right after a chunk that ended at a tap: the tap's copy goes into
+    the next plan, so at the finish it is not published yet, and the lane waits for it
+    (`Captures.retiring`) holding its pages and lease. Aborted there by its client, it still
+    publishes the tap at the next step, and a request with the same prompt resumes there."""
+    prompt = random_prompt(seed=97, length=1500)
+    engine = hybrid.llm_engine
+    params = greedy_params(ANSWER, breakpoints=[700])
+    engine.add_request("quitter", {"prompt_token_ids": prompt}, params)
+    engine.step()  # chunk [0, 512)
+    engine.step()  # chunk [512, 700): it ends at the breakpoint, whose copy is deferred
+    engine.abort_request(["quitter"])
+    retiring = cache_of(hybrid).captures.retiring
+    assert [lane.request_id.startswith("quitter") for lane in retiring] == [True]
+    out = served(hybrid, cold, prompt[:700] + random_prompt(seed=98, length=200))
+    assert out.num_cached_tokens == 700
+
+
 def test_parallel_sampling_and_prompt_logprobs(hybrid: Any) -> None:
     """n > 1 forks requests with one prompt (they coalesce); a request asking for prompt
     logprobs must compute every prompt token, so it reads nothing from the cache."""

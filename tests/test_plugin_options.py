@@ -93,6 +93,14 @@ def test_merge_keeps_vllm_keys() -> None:
             {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_tap_min_gap": 64},
             "--cache-tap-min-gap has no effect with --no-prefix-reuse",
         ),
+        ({"kv_cache_manager": "hybrid-prefix", "cache_audit_rate": 1.5}, "--cache-audit-rate"),
+        ({"kv_cache_manager": "hybrid-prefix", "cache_audit_rate": "often"}, "from 0 to 1"),
+        ({"kv_cache_manager": "hybrid-prefix", "cache_audit_rate": True}, "--cache-audit-rate"),
+        ({"kv_cache_manager": "hybrid-prefix", "cache_audit_tokens": 0}, "--cache-audit-tokens"),
+        (
+            {"kv_cache_manager": "hybrid-prefix", "no_prefix_reuse": True, "cache_audit_rate": 0.1},
+            "--cache-audit-rate has no effect with --no-prefix-reuse",
+        ),
     ],
 )
 def test_impossible_options_name_the_option(config: dict[str, Any], message: str) -> None:

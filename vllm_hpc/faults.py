@@ -8,7 +8,9 @@ Each point is documented where it fires; tests arm them in the processes they st
 - `host_write`, `host_restore`: every write-through batch, or every restore and prefetch, fails
   in the worker before its copies are issued;
 - `state_copy`: every copy between device state slots (a tap's or endpoint's capture, a resume
-  from a snapshot slot) fails in the worker.
+  from a snapshot slot) fails in the worker;
+- `snapshot_corrupt`: every copy into a snapshot slot writes ones instead: silent corruption,
+  for the cache audit to find (`--cache-audit-rate`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,18 @@ def _count(minimum: int) -> Callable[[str, Any], int | None]:
     return parse
 
 
+def _share(flag: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise OptionError(f"{flag}: expected a number from 0 to 1, got {value!r}")
+    try:
+        share = float(value)
+    except ValueError:
+        raise OptionError(f"{flag}: expected a number from 0 to 1, got {value!r}") from None
+    if not 0.0 <= share <= 1.0:
+        raise OptionError(f"{flag}: must be from 0 to 1, got {share}")
+    return share
+
+
 def _switch(flag: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise OptionError(f"{flag}: expected true or false, got {value!r}")
@@ -162,6 +174,23 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         parse=_count(0),
     ),
     OptionSpec(
+        key="cache_audit_rate",
+        flag="--cache-audit-rate",
+        help=(
+            "Share of resumed prompts (0 to 1, default 0: off) that the cache audit recomputes "
+            "from the root at the back of the queue, comparing the first "
+            "--cache-audit-tokens greedy tokens with those of the same prompt served from the "
+            "cache (vllm:hpc_audit_checked, vllm:hpc_audit_diverged). " + _HYBRID_ONLY
+        ),
+        parse=_share,
+    ),
+    OptionSpec(
+        key="cache_audit_tokens",
+        flag="--cache-audit-tokens",
+        help="Greedy tokens an audited prompt compares (default 8). " + _HYBRID_ONLY,
+        parse=_count(1),
+    ),
+    OptionSpec(
         key="no_prefix_reuse",
         flag="--no-prefix-reuse",
         help="Serve without any prefix reuse: nothing is cached or looked up. " + _HYBRID_ONLY,
@@ -190,6 +219,8 @@ class PluginOptions:
     cache_tap_ladder: int | None = None
     cache_tap_min_gap: int | None = None
     host_cache_mib: int = DEFAULT_HOST_CACHE_MIB
+    cache_audit_rate: float = 0.0
+    cache_audit_tokens: int = 8
     no_prefix_reuse: bool = False
 
     @property
@@ -236,6 +267,8 @@ class PluginOptions:
                     "cache_taps_per_request",
                     "cache_tap_ladder",
                     "cache_tap_min_gap",
+                    "cache_audit_rate",
+                    "cache_audit_tokens",
                 }
             )
             if tap_options:

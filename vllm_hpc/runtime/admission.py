@@ -206,6 +206,7 @@ class Admission:
             prompt=lookup.prompt if lease is not None else None,
             taps=list(lookup.taps),
             newest_frontier=frontier,
+            from_host=from_host,
         )
         self.live.add(lane)
         if request.request_id in self._waited:

@@ -38,7 +38,15 @@ from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import StepPlan
 from vllm_hpc.runtime.records import InfeasibleRequest, Lookup, RequestInfo, RuntimeConfig
-from vllm_hpc.runtime.telemetry import ADMISSION, HOST, INDEX, AdmissionCounters, HostCounters
+from vllm_hpc.runtime.telemetry import (
+    ADMISSION,
+    AUDIT,
+    HOST,
+    INDEX,
+    AdmissionCounters,
+    AuditCounters,
+    HostCounters,
+)
 
 __all__ = ["HybridPrefixCache", "InfeasibleRequest", "Lookup", "RequestInfo", "RuntimeConfig"]
 
@@ -50,6 +58,8 @@ class HybridPrefixCache:
         self.pipeline = StepPipeline(self.index, config.index.geometry, config.active_slots)
         self.admission = Admission(config, self.index, self.pipeline)
         self.captures = Captures(self.index, self.pipeline, self.admission, config.in_pass_taps)
+        self.audits = AuditCounters()
+        """Kept by the glue's cache audit, reported with the rest."""
 
     @property
     def admissions(self) -> AdmissionCounters:
@@ -123,6 +133,7 @@ class HybridPrefixCache:
         values = {m.name: getattr(index.stats, m.name) for m in INDEX}
         values.update({m.name: getattr(self.admissions, m.name) for m in ADMISSION})
         values.update({m.name: getattr(self.host, m.name.removeprefix("host_")) for m in HOST})
+        values.update({m.name: getattr(self.audits, m.name) for m in AUDIT})
         values["snapshots"] = len(store.snapshots)
         values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
         values["active_slots_used"] = len(self.admission.live)

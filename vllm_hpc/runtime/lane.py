@@ -57,6 +57,8 @@ class Lane:
     captures: list[Capture] = field(default_factory=list)
     newest_frontier: int = 0
     """Frontier of its newest snapshot, resumed or captured (endpoint eligibility, §7.7)."""
+    from_host: bool = False
+    """Its resume restored something from the host tier."""
 
     @property
     def caching(self) -> bool:

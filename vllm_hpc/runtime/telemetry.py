@@ -30,6 +30,18 @@ class HostCounters:
     restore_bytes: int = 0
 
 
+@dataclass(slots=True)
+class AuditCounters:
+    """The cache audit's comparisons (`--cache-audit-rate`, `glue/scheduler/cache_audit.py`)."""
+
+    audit_checked: int = 0
+    """Audited prompts whose recomputation from the root was compared with the cached path."""
+    audit_diverged_device: int = 0
+    """Of those, answers that parted beyond the near-tie rule, resumed from the device."""
+    audit_diverged_host: int = 0
+    """The same, resumed with a restore from the host tier."""
+
+
 @dataclass(frozen=True, slots=True)
 class Metric:
     """One value the cache reports, and the Prometheus series that shows it (`glue/metrics.py`
@@ -126,7 +138,22 @@ HOST = _by(
     restored="host_restore_bytes",
 )
 """`HostCounters` fields, prefixed ``host_``."""
-COUNTERS = ADMISSION + INDEX + HOST
+AUDIT = (
+    Metric(
+        "audit_checked",
+        "vllm:hpc_audit_checked",
+        "Sampled resumed prompts recomputed from the root and compared (--cache-audit-rate)",
+    ),
+    *_by(
+        "source",
+        "vllm:hpc_audit_diverged",
+        "Audited prompts whose greedy answer from the cache parted from the recomputation",
+        device="audit_diverged_device",
+        host="audit_diverged_host",
+    ),
+)
+"""`AuditCounters` fields."""
+COUNTERS = ADMISSION + INDEX + HOST + AUDIT
 """The cache's monotonic counters."""
 WORKER_COUNTERS = _by(
     "what",

@@ -25,6 +25,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.derived import runtime_config
 from vllm_hpc.glue.sampling import parse_breakpoints
+from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
 from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
 from vllm_hpc.glue.state_spec import StateSlotSpec
@@ -100,6 +101,9 @@ class HybridPrefixKVCacheManager:
         self._worker_plan = StepPlan()
         self._chat_markers = chat_markers(vllm_config.model_config)
         self._audit_every_step = os.environ.get(AUDIT_ENV) == "1"
+        self.audit_resumed: list[Resumed] | None = [] if options.cache_audit_rate else None
+        """Requests admitted with a prefix since the scheduler last took them, for the cache
+        audit (`glue/scheduler/cache_audit.py`); None when the audit is off."""
         self._prompt_keys: dict[str, PromptKeys] = {}
         """Each request's hints and keys, computed once (they scan the prompt and hash its
         embeddings) and dropped in `free`."""
@@ -216,6 +220,8 @@ class HybridPrefixKVCacheManager:
                 self.cache.prefetch(lookup)  # vLLM keeps the head waiting: use the wait
                 return None
             self.lanes[rid] = lane
+            if lane.base and self.audit_resumed is not None:
+                self.audit_resumed.append(Resumed(request, lane.base, lane.from_host))
             self._schedule(lane, request, lane.base, num_new_tokens)
             return self.get_blocks(rid)
         start = request.num_computed_tokens

@@ -1,7 +1,7 @@
 """HybridPrefixScheduler: vLLM's scheduler with vllm_hpc's KV cache manager.
 
 `--scheduler-cls` is vLLM's supported way to change what `Scheduler.__init__` builds. The
-subclasses here change four things and leave the scheduling policy (FCFS, chunked prefill,
+subclasses here change five things and leave the scheduling policy (FCFS, chunked prefill,
 preemption) to vLLM:
 
 - the KV cache manager is a `HybridPrefixKVCacheManager`, and no more requests run at once than
@@ -9,7 +9,9 @@ preemption) to vLLM:
 - a prefill chunk ends at the request's next exact tap (vLLM's hook for its own state
   alignment, `_mamba_block_aligned_split`, is reused for this);
 - after each step, the tokens a request has computed commit their blocks and publish its taps;
-- a request that can never fit in the device pool is failed with an error.
+- a request that can never fit in the device pool is failed with an error;
+- with `--cache-audit-rate`, the cache audit's runs are queued and their outputs kept from the
+  front end (`cache_audit.py`).
 
 `HybridPrefixScheduler` extends vLLM's `Scheduler` (CPU, and whenever async scheduling is off);
 `HybridPrefixAsyncScheduler` extends `AsyncScheduler`, vLLM's default on CUDA.
@@ -27,7 +29,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
+from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -36,6 +40,7 @@ class _HybridPrefixMixin:
     """What both scheduler variants add to vLLM's."""
 
     kv_cache_manager: HybridPrefixKVCacheManager
+    _audit: CacheAudit | None
     requests: dict[str, Any]
     max_num_running_reqs: int
     max_num_active_reqs: int
@@ -53,6 +58,16 @@ class _HybridPrefixMixin:
         self.max_num_running_reqs = min(self.max_num_running_reqs, slots)
         self.max_num_active_reqs = min(self.max_num_active_reqs, slots)
         self.need_mamba_block_aligned_split = True
+        options = PluginOptions.from_additional_config(vllm_config.additional_config)
+        self._audit = (
+            CacheAudit(
+                options.cache_audit_rate,
+                options.cache_audit_tokens,
+                self.kv_cache_manager.cache.audits,
+            )
+            if options.cache_audit_rate
+            else None
+        )
 
     def _mamba_block_aligned_split(
         self,
@@ -81,7 +96,20 @@ class _HybridPrefixMixin:
                 manager.cache_blocks(request, self._committed_tokens(request))
         if manager.unservable:
             self._fail_unservable(outputs)
+        if self._audit is not None:
+            self._run_audit(outputs)
         return outputs
+
+    def _run_audit(self, outputs: dict[int, Any]) -> None:
+        """Hide the audit's runs from the front end; queue runs for the newly resumed."""
+        assert self._audit is not None
+        self._audit.observe(outputs)
+        resumed = self.kv_cache_manager.audit_resumed
+        assert resumed is not None
+        for entry in resumed:
+            for run in self._audit.runs_for(entry):
+                self.add_request(run)  # type: ignore[attr-defined]
+        resumed.clear()
 
     def _committed_tokens(self, request: Any) -> int:
         """Tokens whose KV and state the executed steps have written."""

@@ -83,7 +83,11 @@ class StatePool:
         result of an earlier one), each over every layer."""
         if armed("state_copy"):
             raise InjectedFault("injected state copy failure")
+        corrupt = armed("snapshot_corrupt")
         for copy in copies:
             for tensors in self._layers.values():
                 for tensor in tensors:
-                    tensor[copy.dst].copy_(tensor[copy.src])
+                    if corrupt and copy.dst > self.active_slots:  # a snapshot slot
+                        tensor[copy.dst].fill_(1.0)
+                    else:
+                        tensor[copy.dst].copy_(tensor[copy.src])

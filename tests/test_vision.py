@@ -52,6 +52,7 @@ def llm(vision_model: str) -> Iterator[Any]:
     with running_llm(
         in_process=True, model=vision_model, additional_config=HYBRID, **ENGINE
     ) as engine:
+        assert engine.llm_engine.vllm_config.model_config.uses_mrope  # as the checkpoints do
         engine.apply_model(_count_encoder_runs)
         yield engine
 

@@ -71,7 +71,7 @@ class TinyQwen35Recipe:
     # A vision tower of this many blocks makes it the vision-language class every published
     # Qwen3.5 checkpoint declares (`Qwen3_5ForConditionalGeneration`); 0: text-only.
     vision_depth: int = 0
-    recipe_version: int = 2
+    recipe_version: int = 3
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -245,7 +245,7 @@ def _vision_language(recipe: TinyQwen35Recipe, text: Any, moe: bool) -> tuple[An
     }
     config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
     config = config_cls(
-        text_config=text.to_dict(),
+        text_config={**text.to_dict(), "rope_parameters": MROPE},
         vision_config=vision.to_dict(),
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
@@ -261,6 +261,15 @@ def _vision_language(recipe: TinyQwen35Recipe, text: Any, moe: bool) -> tuple[An
     return config, model_cls
 
 
+MROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [3, 3, 2],
+    "mrope_interleaved": True,
+}
+"""Multimodal rotary positions (time, height, width) as the published checkpoints interleave
+them, over the tiny model's 16 rotary dimensions: positions after an image depend on it."""
 PATCH_PIXELS = 16
 MERGE = 2
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

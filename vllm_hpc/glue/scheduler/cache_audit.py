@@ -96,9 +96,10 @@ class CacheAudit:
             logprobs=2 if root else None,
             skip_reading_prefix_cache=root,
         )
+        ids = request.prompt_token_ids
         return Request(
             request_id=run_id,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=None if ids is None else list(ids),
             sampling_params=params,
             pooling_params=None,
             client_index=request.client_index,

@@ -107,7 +107,12 @@ class _HybridPrefixMixin:
         resumed = self.kv_cache_manager.audit_resumed
         assert resumed is not None
         for entry in resumed:
-            for run in self._audit.runs_for(entry):
+            try:
+                runs = self._audit.runs_for(entry)
+            except Exception:  # an optional check must never stop the engine
+                logger.exception("hybrid-prefix cache audit: cannot audit a request; skipped")
+                continue
+            for run in runs:
                 self.add_request(run)  # type: ignore[attr-defined]
         resumed.clear()
 

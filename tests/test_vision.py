@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,10 +146,16 @@ def assert_like_cold(
     assert parting is None or parting.near_tie, parting.describe()
 
 
+def token_id(name: str) -> int:
+    """A vision token's id, as the model's config gives it to vLLM."""
+    config = json.loads((tiny_model_path(VISION_RECIPE) / "config.json").read_text())
+    return int(config[name])
+
+
 def image_span(out: Any) -> tuple[int, int]:
     """[begin, end) of the (first) image's placeholder tokens in the prompt."""
     ids = out.prompt_token_ids
-    pad = VISION_RECIPE.vocab_size - 5  # <|image_pad|>, see tiny_model.VISION_TOKENS
+    pad = token_id("image_token_id")
     begin = ids.index(pad)
     end = begin
     while end < len(ids) and ids[end] == pad:
@@ -233,7 +240,7 @@ def test_a_video_is_keyed_as_an_image_is(llm: Any, cold: Any) -> None:
     prompt = text(70, 150) + VIDEO + text(71, 500)
     first = generate(llm, prompt, [], video=clip(70))
     again = generate(llm, prompt, [], video=clip(70))
-    pad = VISION_RECIPE.vocab_size - 4  # <|video_pad|>
+    pad = token_id("video_token_id")
     end = len(again.prompt_token_ids) - again.prompt_token_ids[::-1].index(pad)
     assert again.num_cached_tokens >= end
     other = generate(llm, prompt, [], video=clip(71))

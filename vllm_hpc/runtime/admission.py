@@ -153,9 +153,7 @@ class Admission:
         if prefetch is None:
             return
         blocks = tuple(PageSlab(copy.page, copy.slab) for copy in prefetch.copies)
-        self.pipeline.plan.prefetches.append(HostRestore(blocks, None, None))
-        self.pipeline.prefetched(prefetch)
-        self.pipeline.host.restore_bytes += len(blocks) * self.config.index.geometry.block_bytes
+        self.pipeline.prefetch(HostRestore(blocks, None, None), prefetch)
 
     def forget(self, request_id: str) -> None:
         """The request was admitted or left the queue: drop what its lookups kept."""
@@ -247,12 +245,7 @@ class Admission:
         self.pipeline.land(restore)
         if not blocks and image is None:
             return False
-        self.pipeline.plan.host_restores.append(HostRestore(tuple(blocks), tail, image))
-        geometry = self.config.index.geometry
-        self.pipeline.host.restore_bytes += (
-            len(blocks) + (restore.tail is not None)
-        ) * geometry.block_bytes
-        self.pipeline.host.restore_bytes += geometry.image_bytes if image is not None else 0
+        self.pipeline.host_restore(HostRestore(tuple(blocks), tail, image))
         return True
 
     def grow(self, lane: Lane, num_tokens: int) -> list[PageId] | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, SlotId
+from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.runtime.admission import Admission
@@ -70,9 +70,6 @@ class HybridPrefixCache:
     def host(self) -> HostCounters:
         """Bytes planned to and from the host tier."""
         return self.pipeline.host
-
-    def snapshot_pool_slot(self, slot: SlotId) -> int:
-        return self.pipeline.snapshot_pool_slot(slot)
 
     # -- step boundaries --------------------------------------------------------------------
 

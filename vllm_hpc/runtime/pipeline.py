@@ -27,7 +27,14 @@ from vllm_hpc.index import (
     SnapshotWrite,
 )
 from vllm_hpc.runtime.lane import Capture, Lane
-from vllm_hpc.runtime.plan import HostWrite, ImageCopy, InPassCapture, PageSlab, StepPlan
+from vllm_hpc.runtime.plan import (
+    HostRestore,
+    HostWrite,
+    ImageCopy,
+    InPassCapture,
+    PageSlab,
+    StepPlan,
+)
 from vllm_hpc.runtime.telemetry import HostCounters
 
 WriteRecord = BlockWrite | SnapshotWrite
@@ -152,8 +159,21 @@ class StepPipeline:
     def land(self, restore: Restore) -> None:
         self._landing.append(restore)
 
-    def prefetched(self, prefetch: Prefetch) -> None:
+    def host_restore(self, copies: HostRestore) -> None:
+        """An admission's copies from the host, counted with the host tier's bytes."""
+        self.plan.host_restores.append(copies)
+        self._count_restore(copies)
+
+    def prefetch(self, copies: HostRestore, prefetch: Prefetch) -> None:
+        """A blocked head's prefetch: its copies, and the index's record to complete."""
+        self.plan.prefetches.append(copies)
         self._prefetching.append(prefetch)
+        self._count_restore(copies)
+
+    def _count_restore(self, copies: HostRestore) -> None:
+        pages = len(copies.blocks) + (copies.tail is not None)
+        self.host.restore_bytes += pages * self.geometry.block_bytes
+        self.host.restore_bytes += self.geometry.image_bytes if copies.image is not None else 0
 
     def quarantine(self, pages: list[PageId]) -> None:
         """Free ``pages`` once the plan being built was handed out (its copies may read them)."""

@@ -29,7 +29,7 @@ from vllm_hpc.runtime.telemetry import AuditCounters
 logger = logging.getLogger("vllm.vllm_hpc")
 
 AUDIT_PREFIX = "hpc-audit-"
-"""Request ids of the audit's own runs."""
+"""Names the audit's own runs (they are told apart by id, `CacheAudit._runs`)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class CacheAudit:
         """The two runs that audit ``resumed`` (none if it is not sampled or not auditable)."""
         request = resumed.request
         if (
-            request.request_id.startswith(AUDIT_PREFIX)
+            request.request_id in self._runs
             or request.mm_features
             or not self.samples(request.request_id)
         ):
@@ -111,19 +111,18 @@ class CacheAudit:
     def observe(self, outputs: dict[int, Any]) -> None:
         """Take the audit runs' outputs out of a step's outputs; compare finished pairs."""
         for engine_outputs in outputs.values():
-            kept = []
+            kept, ours = [], set()
             for output in engine_outputs.outputs:
                 entry = self._runs.get(output.request_id)
                 if entry is None:
                     kept.append(output)
                     continue
+                ours.add(output.request_id)
                 self._record(output, *entry)
             engine_outputs.outputs = kept
             finished = engine_outputs.finished_requests
-            if finished:
-                engine_outputs.finished_requests = {
-                    rid for rid in finished if not rid.startswith(AUDIT_PREFIX)
-                }
+            if finished and ours:
+                engine_outputs.finished_requests = finished - ours
 
     def _record(self, output: Any, pair: _Pair, root: bool) -> None:
         run = pair.root if root else pair.cached

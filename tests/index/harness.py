@@ -58,6 +58,7 @@ def make_index(
     first_page_id: int = 1,
     cost: CacheCostModel | None = None,
     hasher=None,
+    row_pages: int = 0,
 ) -> PrefixIndex:
     geometry = HostGeometry(block_bytes=block_bytes, image_bytes=image_bytes)
     extra = {} if hasher is None else {"hasher": hasher}
@@ -68,6 +69,7 @@ def make_index(
         snapshot_slots=slots,
         host_budget_bytes=host_slabs * geometry.slab_bytes,
         cost=cost or simple_cost(),
+        row_pages=row_pages,
         **extra,
     )
     return PrefixIndex(config)

@@ -26,6 +26,7 @@ from vllm_hpc.index import (
     PrefixIndex,
     Readiness,
     Restore,
+    RowId,
     SnapshotKind,
     SnapshotWrite,
     xxh3_block_hash,
@@ -47,6 +48,8 @@ class Running:
     tokens: list[int]
     restore: Restore | None
     private: list[PageId] = field(default_factory=list)
+    row: RowId | None = None
+    """Its state row, where states share the page space."""
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -55,11 +58,17 @@ class IndexMachine(RuleBasedStateMachine):
         slots=st.integers(1, 3),
         host=st.sampled_from([0, 4, 9, 20, 40]),
         collide=st.booleans(),
+        row_pages=st.sampled_from([0, 0, 2, 3]),
     )
-    def setup(self, pages: int, slots: int, host: int, collide: bool) -> None:
+    def setup(self, pages: int, slots: int, host: int, collide: bool, row_pages: int = 0) -> None:
+        """With ``row_pages``, states take rows of the page space (running requests' too)."""
         hasher = colliding_hash if collide else xxh3_block_hash
         self.index: PrefixIndex = make_index(
-            pages=pages, slots=slots, host_slabs=host, hasher=hasher
+            pages=pages + (1 + slots + 2) * row_pages,
+            slots=slots,
+            host_slabs=host,
+            hasher=hasher,
+            row_pages=row_pages,
         )
         self.running: list[Running] = []
         self.writes: list[BlockWrite | SnapshotWrite] = []
@@ -89,11 +98,27 @@ class IndexMachine(RuleBasedStateMachine):
         match = index.match(prompt)
         self._assert_exact(match.path, match.candidates, tokens)
         n = len(tokens)
-        quote = index.quote(match, lambda f: -(-n // BLOCK) - f // BLOCK)
+        rows = index.row_pages
+        quote = index.quote(match, lambda f: -(-n // BLOCK) - f // BLOCK + rows)
         if quote.readiness is not Readiness.READY:
             return
+        row = None
+        if rows:  # the runtime's order: the row, then a fresh quote that keeps the source
+            row = index.take_state_row(quote)
+            if row is None:
+                return
+            source = quote.source
+            quote = index.quote(index.match(prompt), lambda f: -(-n // BLOCK) - f // BLOCK)
+            assert source is not None
+            fresh = quote.source
+            if fresh is None or (fresh.snapshot, fresh.frontier) != (
+                source.snapshot,
+                source.frontier,
+            ):
+                index.release_state_row(row, unused=True)
+                return
         admission = index.acquire(quote)
-        self.running.append(Running(admission.lease, tokens, admission.restore))
+        self.running.append(Running(admission.lease, tokens, admission.restore, row=row))
 
     @rule(
         doc=st.integers(0, 1),
@@ -228,6 +253,8 @@ class IndexMachine(RuleBasedStateMachine):
         if write is not None:
             self._land(write, write_now)
         self.index.free_pages(request.private)
+        if request.row is not None:
+            self.index.release_state_row(request.row)
         self.running.remove(request)
 
     @precondition(lambda self: bool(self.writes))
@@ -280,6 +307,11 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.complete_prefetch(self.prefetches.pop())
 
     # -- pressure and maintenance -----------------------------------------------------------
+
+    @rule()
+    def plan_taken(self) -> None:
+        """A step's plan goes to the workers: rows given back during it become KV pages."""
+        self.index.plan_taken()
 
     @rule(count=st.integers(1, 8))
     def grab_pages(self, count: int) -> None:

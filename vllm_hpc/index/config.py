@@ -17,7 +17,11 @@ class IndexConfig:
     first_page_id: int = 0
     """Lowest page id; the vLLM binding passes 1 because id 0 is its null block."""
     snapshot_slots: int = 2
-    """D device snapshot slots (§5.4: C + 1 with a host tier, C + 2 without)."""
+    """D device snapshot slots (§5.4: C + 1 with a host tier, C + 2 without); a cap where
+    states share the page space."""
+    row_pages: int = 0
+    """Pages per state row where Gated DeltaNet states share the page space with KV pages
+    (`DevicePagePool`); 0 keeps states out of it (the index's unit tests)."""
     host_budget_bytes: int = 0
     """Host slab pool size; 0 disables the host tier."""
     cost: CostModel = field(default_factory=CacheCostModel)

@@ -17,9 +17,17 @@ from vllm_hpc.index.host_eviction import HostEvictor
 from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, SlabUse
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.store import CacheStore
+from vllm_hpc.index.store import SCRATCH_ROW, CacheStore
 from vllm_hpc.index.transfers import BlockWrite, Prefetch, Transfer
-from vllm_hpc.index.types import BLOCK_BYTES_PACKED, InvariantError, Residency, SlabId
+from vllm_hpc.index.types import (
+    BLOCK_BYTES_PACKED,
+    InvariantError,
+    PageId,
+    Residency,
+    RowId,
+    SlabId,
+    SlotId,
+)
 
 
 def _expect(condition: bool, message: str) -> None:
@@ -229,11 +237,7 @@ def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Sna
     for state in (PageState.CACHED, PageState.FILLING):
         expected = {p for p, s in owned.items() if s is state}
         _expect(set(pool.pages_in(state)) == expected, f"{state.name} pages differ from owners")
-    free = pool.free_pages
-    _expect(
-        len(free) == len(set(free)) and set(free) == set(pool.pages_in(PageState.FREE)),
-        "device free stack differs from the FREE pages",
-    )
+    _expect(pool.num_free == len(pool.pages_in(PageState.FREE)), "free count differs")
     counted = sum(len(pool.pages_in(state)) for state in PageState)
     _expect(counted == pool.capacity, "free + active + cached + filling pages != capacity")
     expected_lru: dict[LruEntry, bool] = {}
@@ -260,6 +264,30 @@ def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Sna
         and not (owners & staging or owners & set(free_slots) or staging & set(free_slots)),
         "device snapshot slots are not partitioned into free, staging and owned",
     )
+    if pool.num_rows:
+        _check_rows(store, owners | staging)
+
+
+def _check_rows(store: CacheStore, slots_in_use: set[SlotId]) -> None:
+    """State rows (§5.4 as built): every STATE page is in exactly one row that holds a state
+    (the scratch, a running request's, a staged or owned slot's, or one in quarantine), and the
+    per-row counts match a recount."""
+    pool = store.pages
+    held = [SCRATCH_ROW, *store.active_rows, *store.slot_rows.values(), *store.quarantine]
+    _expect(len(held) == len(set(held)), "a state row has two holders")
+    _expect(
+        set(store.slot_rows) == slots_in_use, "slot rows differ from the staged and owned slots"
+    )
+    expected = {page for row in held for page in pool.row_range(row)}
+    _expect(set(pool.pages_in(PageState.STATE)) == expected, "STATE pages differ from state rows")
+    for r in range(pool.num_rows):
+        row = RowId(r)
+        states = [pool.state(PageId(p)) for p in pool.row_range(row)]
+        _expect(
+            pool.row_free(row) == states.count(PageState.FREE)
+            and pool.row_cached(row) == states.count(PageState.CACHED),
+            f"row {r}'s page counts differ from a recount",
+        )
 
 
 def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:

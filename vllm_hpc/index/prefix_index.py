@@ -54,6 +54,7 @@ from vllm_hpc.index.types import (
     BLOCK_TOKENS,
     PageId,
     Residency,
+    RowId,
     SlotId,
     SnapshotKind,
 )
@@ -121,7 +122,7 @@ class PrefixIndex:
         store = self.store
         options = source_options(match, store.lru, store.value.cost, store.value.geometry)
         readiness, source, need = classify(
-            options, growth_pages, self.available_pages, store.pages.capacity
+            options, growth_pages, store.available_pages, store.usable_pages
         )
         return AdmissionQuote(readiness, source, need, match, store.tick)
 
@@ -259,8 +260,51 @@ class PrefixIndex:
 
     @property
     def available_pages(self) -> int:
-        """Free pages plus evictable cached ones: what active sequences may claim (§9.5)."""
-        return self.store.pages.num_free + len(self.store.lru)
+        """Free pages plus evictable cached ones and snapshot rows: what active sequences may
+        claim (§9.5)."""
+        return self.store.available_pages
+
+    # -- state rows (§5.4 as built) ---------------------------------------------------------
+
+    @property
+    def row_pages(self) -> int:
+        """Pages per state row; 0 when states live outside the page space."""
+        return self.store.pages.row_pages if self.store.pages.num_rows else 0
+
+    def take_state_row(self, quote: AdmissionQuote | None = None) -> RowId | None:
+        """A row for a request about to be admitted, evicting as `CacheStore.take_state_row`
+        orders; None when none can be had now (the request waits). ``quote``'s source (its
+        path, tail and image) stays, so a fresh quote can still choose it."""
+        store = self.store
+        store.advance()
+        protected: frozenset[PageId] = frozenset()
+        keep = quote.source.snapshot if quote is not None and quote.source is not None else None
+        if quote is not None and keep is not None:
+            path = quote.match.path[: keep.anchor.depth + 1]
+            pages = {node.device_page for node in path if node.device_page is not None}
+            if keep.tail_page is not None:
+                pages.add(keep.tail_page)
+            protected = frozenset(pages)
+        return store.take_state_row(protected, keep)
+
+    def release_state_row(self, row: RowId, unused: bool = False) -> None:
+        """A running request's row goes back; an ``unused`` one (no copy touched it) at once."""
+        self.store.advance()
+        self.store.release_state_row(row, now=unused)
+
+    def slot_row(self, slot: SlotId) -> RowId:
+        """The row holding snapshot slot ``slot``'s image."""
+        return self.store.slot_rows[slot]
+
+    def take_fresh_rows(self) -> list[RowId]:
+        """Rows that held KV pages until now, for the plan being built to zero."""
+        rows, self.store.fresh_rows = self.store.fresh_rows, []
+        return rows
+
+    def plan_taken(self) -> None:
+        """The runtime handed the step plan being built to the workers."""
+        self.store.advance()
+        self.store.plan_taken()
 
     def allocate_pages(self, count: int) -> list[PageId] | None:
         """``count`` private pages for a sequence, evicting cache as needed; None if no room."""
@@ -334,7 +378,7 @@ class PrefixIndex:
         if not self.store.slots.is_staging(slot):
             raise ValueError(f"slot {slot} is not staged")
         self.store.advance()
-        self.store.slots.release(slot)
+        self.store.release_slot(slot, row_unused=False)
 
     def publish_snapshot(
         self,
@@ -374,7 +418,7 @@ class PrefixIndex:
             snapshot = store.add_snapshot(anchor, tail, kind, slot, tail_page)
             write = self._write_snapshot(snapshot)
         else:
-            store.slots.release(slot)
+            store.release_slot(slot, row_unused=False)
             if tail_page is not None:
                 store.pages.free((tail_page,))
             store.touch(existing, hit=False)
@@ -419,7 +463,7 @@ class PrefixIndex:
         store = self.store
         if self._leases or self._in_flight or store.slots.staging:
             return False
-        if store.pages.pages_in(PageState.ACTIVE):
+        if store.pages.pages_in(PageState.ACTIVE) or store.active_rows:
             return False
         self.store = CacheStore(self.config, self.stats)
         self._fruitless = None

@@ -38,6 +38,9 @@ class Snapshot:
     published: Tick
     # Image copies: a device snapshot slot and/or host slabs.
     slot: SlotId | None = None
+    published_plan: int = 0
+    """The step plan being built when it was published: its slot's row may be the target of a
+    capture copy in that plan, so the row becomes KV pages only in a later one (§5.4)."""
     image_slabs: tuple[SlabId, ...] = ()
     image_host: Residency = Residency.ABSENT
     # Tail copies (only when the tail is not empty).

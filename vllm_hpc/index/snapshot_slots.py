@@ -2,6 +2,10 @@
 
 A Device-only owner's slot is its last copy, so value (GDSF) decides there; a host-backed owner
 only loses a device copy, so recency decides.
+
+A slot holds its image in a row of device pages (`DevicePagePool`), which the store takes when
+the slot is staged and gives back when it is released; D is a cap, not memory set aside. Running
+requests and KV pages take rows from snapshots too (`give_way`), by the same order.
 """
 
 from __future__ import annotations
@@ -61,12 +65,13 @@ class DeviceSnapshotSlots:
     def is_staging(self, slot: int) -> bool:
         return slot in self._staging
 
-    def choose(self, new_priority: float) -> SlotChoice | None:
-        """The slot a new snapshot of estimated priority ``new_priority`` should take, if any.
+    def choose(self, new_priority: float, use_free: bool = True) -> SlotChoice | None:
+        """The slot a new snapshot of estimated priority ``new_priority`` should take, if any
+        (a free one only with ``use_free``: the store may find no row for it).
 
         A pure decision: the caller evicts the victim, then calls ``stage``.
         """
-        if self._free:
+        if self._free and use_free:
             return SlotChoice(self._free[-1], SlotRule.FREE, None)
         owners = [s for s in self._owners if s is not None and s.restore_pins == 0]
         superseded = [s for s in owners if s.superseded]
@@ -82,6 +87,31 @@ class DeviceSnapshotSlots:
         if backed:
             return self._choice(min(backed, key=lambda s: (s.last_hit, s.id)), SlotRule.HOST_BACKED)
         return None
+
+    def give_way(self, plan: int | None = None, exclude: Snapshot | None = None) -> Snapshot | None:
+        """The owner whose slot a running request or KV pages take first: superseded (oldest
+        first), then host-backed (least recently hit), then device-only (lowest priority).
+        Pinned owners stay. With ``plan`` (the step plan being built), owners published in that
+        plan stay too: their capture copy may still write the slot's row."""
+        owners = [
+            s
+            for s in self._owners
+            if s is not None
+            and s is not exclude
+            and s.restore_pins == 0
+            and (plan is None or s.published_plan < plan)
+        ]
+        if not owners:
+            return None
+        return min(owners, key=_give_way_order)
+
+    def num_give_way(self, plan: int) -> int:
+        """How many owners `give_way(plan)` could hand over, one after the other."""
+        return sum(
+            1
+            for s in self._owners
+            if s is not None and s.restore_pins == 0 and s.published_plan < plan
+        )
 
     @staticmethod
     def _choice(victim: Snapshot, rule: SlotRule) -> SlotChoice:
@@ -102,3 +132,11 @@ class DeviceSnapshotSlots:
         self._staging.discard(slot)
         self._owners[slot] = None
         self._free.append(slot)
+
+
+def _give_way_order(s: Snapshot) -> tuple[int, float, int]:
+    if s.superseded:
+        return (0, s.superseded_at, s.id)
+    if s.image_host is Residency.RESIDENT:
+        return (1, s.last_hit, s.id)
+    return (2, s.priority, s.id)

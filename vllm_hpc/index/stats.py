@@ -35,6 +35,9 @@ class CacheStats:
     device_evictions_backed: int = 0
     device_evictions_unbacked: int = 0
     slot_evictions: int = 0
+    """Snapshots that lost their device slot to a newer snapshot, a running request or KV."""
+    state_rows_from_kv: int = 0
+    """Rows of KV pages that became a state (their cached pages evicted first)."""
     host_dead_reclaimed: int = 0
     host_superseded_evicted: int = 0
     host_gdsf_evicted: int = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.config import IndexConfig
-from vllm_hpc.index.device_lru import DeviceLRU
+from vllm_hpc.index.device_lru import DeviceLRU, LruEntry
 from vllm_hpc.index.device_pool import DevicePagePool, PageState
 from vllm_hpc.index.gdsf import GdsfValuation
 from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
@@ -17,10 +17,12 @@ from vllm_hpc.index.host_pool import HostSlabPool
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule
 from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
+from vllm_hpc.index.state_rows import choose_kv_row
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.types import (
     PageId,
     Residency,
+    RowId,
     SlabId,
     SlotId,
     SnapshotId,
@@ -28,14 +30,30 @@ from vllm_hpc.index.types import (
     Tick,
 )
 
+SCRATCH_ROW = RowId(0)
+"""The workers' scratch state: vLLM pads unused block-table entries with 0."""
+
 
 class CacheStore:
     def __init__(self, config: IndexConfig, stats: CacheStats) -> None:
         self.tree = BlockTree(config.hasher)
         self.snapshots = SnapshotTable()
-        self.pages = DevicePagePool(config.device_pages, config.first_page_id)
+        self.pages = DevicePagePool(config.device_pages, config.first_page_id, config.row_pages)
         self.lru = DeviceLRU()
         self.slots = DeviceSnapshotSlots(config.snapshot_slots)
+        self.slot_rows: dict[SlotId, RowId] = {}
+        """The row holding each staged or owned slot's image (when states share the pages)."""
+        self.active_rows: set[RowId] = set()
+        """Rows holding running requests' states."""
+        self.quarantine: list[RowId] = []
+        """State rows given back while the step plan being built may still copy into or out of
+        them: their pages become free KV pages once that plan is handed out (`plan_taken`)."""
+        self.plan = 0
+        """Step plans handed out so far: the number of the plan being built."""
+        self.fresh_rows: list[RowId] = []
+        """Rows taken from KV pages since the last plan: the workers zero them first."""
+        if self.pages.num_rows:
+            self.pages.take_row(SCRATCH_ROW)
         self.slabs = HostSlabPool(config.host_budget_bytes, config.geometry)
         self.host = HostEvictor()
         self.value = GdsfValuation(config.cost, config.geometry)
@@ -228,6 +246,7 @@ class CacheStore:
             self.snapshots.new_id(), kind, anchor, tail, self.tick, slot=slot, last_hit=self.tick
         )
         self.slots.assign(slot, snapshot)
+        snapshot.published_plan = self.plan
         if tail_page is not None:
             self.pages.set_state(tail_page, PageState.ACTIVE, PageState.CACHED)
             snapshot.tail_page, snapshot.tail_device = tail_page, Residency.RESIDENT
@@ -240,7 +259,7 @@ class CacheStore:
     def delete_snapshot(self, snapshot: Snapshot) -> None:
         assert snapshot.restore_pins == 0, "deleting a pinned snapshot"
         if snapshot.slot is not None:
-            self.slots.release(snapshot.slot)
+            self.release_slot(snapshot.slot, snapshot.published_plan < self.plan)
             snapshot.slot = None
         if snapshot.tail_page is not None:
             self.pages.free((snapshot.tail_page,))
@@ -273,7 +292,7 @@ class CacheStore:
         if snapshot.image_host is not Residency.RESIDENT:
             self.delete_snapshot(snapshot)
             return
-        self.slots.release(snapshot.slot)
+        self.release_slot(snapshot.slot, snapshot.published_plan < self.plan)
         snapshot.slot = None
 
     def drop_snapshot_tail_device(self, snapshot: Snapshot) -> None:
@@ -310,25 +329,44 @@ class CacheStore:
 
     # -- eviction ---------------------------------------------------------------------------
 
-    def make_device_room(self, count: int) -> bool:
-        """Evict from the device LRU until ``count`` pages are free, or return False at once.
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus what eviction can free now: each device LRU entry owns one page, and
+        each snapshot that may give way to KV pages one row (§6.3, §9.5)."""
+        rows = self.slots.num_give_way(self.plan) if self.pages.num_rows else 0
+        return self.pages.num_free + len(self.lru) + rows * self.pages.row_pages
 
-        Exact arithmetic: every LRU entry owns exactly one page (§6.3).
-        """
-        if self.pages.num_free + len(self.lru) < count:
+    @property
+    def usable_pages(self) -> int:
+        """Pages one request could ever use: all but the scratch row."""
+        return self.pages.capacity - (self.pages.row_pages if self.pages.num_rows else 0)
+
+    def make_device_room(self, count: int) -> bool:
+        """Evict until ``count`` pages are free, or return False at once: the device LRU first,
+        then snapshots' rows (`DeviceSnapshotSlots.give_way`). Exact (`available_pages`)."""
+        if self.available_pages < count:
             return False
         while self.pages.num_free < count:
             entry = self.lru.victim()
-            assert entry is not None
-            if self.lru.is_backed(entry):
-                self.stats.device_evictions_backed += 1
-            else:
-                self.stats.device_evictions_unbacked += 1
-            if isinstance(entry, Snapshot):
-                self.drop_snapshot_tail_device(entry)
-            else:
-                self.drop_node_device(entry)
+            if entry is None:
+                victim = self.slots.give_way(self.plan)
+                assert victim is not None, "available_pages counted a row that cannot go"
+                self.stats.slot_evictions += 1
+                self._drop_image(victim)
+                continue
+            self._evict(entry)
         return True
+
+    def _evict(self, entry: LruEntry) -> None:
+        """Drop one device LRU entry's page, counted as backed or unbacked (§9.1, §9.4)."""
+        if self.lru.is_backed(entry):
+            self.stats.device_evictions_backed += 1
+        else:
+            self.stats.device_evictions_unbacked += 1
+        if isinstance(entry, Snapshot):
+            self.drop_snapshot_tail_device(entry)
+        else:
+            self.drop_node_device(entry)
 
     def make_host_room(self, count: int, limit: float | None = None) -> bool:
         """Evict from the host tier (§9.3) until ``count`` slabs are free.
@@ -355,12 +393,30 @@ class CacheStore:
         return True
 
     def take_slot(self, new_priority: float) -> SlotId | None:
-        """A device snapshot slot by the §9.2 order, staged for a capture; None to skip."""
+        """A device snapshot slot by the §9.2 order, staged for a capture; None to skip.
+
+        Where states share the page space, a free slot needs a row: one that loses nothing
+        (all free, or cached pages with host copies) comes first, then an owner's slot by
+        §9.2, then a row of cached pages without host copies (fewest first)."""
         choice = self.slots.choose(new_priority)
+        row: RowId | None = None
+        if choice is not None and choice.rule is SlotRule.FREE and self.pages.num_rows:
+            row = self._take_quarantined()
+            if row is None:
+                row = self._take_kv_row(frozenset(), lossless_only=True)
+            if row is None:
+                recycled = self.slots.choose(new_priority, use_free=False)
+                if recycled is not None:
+                    choice = recycled
+                else:
+                    row = self._take_kv_row(frozenset(), lossless_only=False)
+                    if row is None:
+                        return None
         if choice is None:
             return None
         victim = choice.victim
         if victim is not None:
+            row = self.slot_rows.pop(choice.slot, None)
             self.stats.slot_evictions += 1
             if choice.rule is SlotRule.DEVICE_ONLY:
                 self.value.inflate(victim.priority)
@@ -368,4 +424,101 @@ class CacheStore:
             else:
                 self.drop_snapshot_image_device(victim)
         self.slots.stage(choice.slot)
+        if row is not None:
+            self.slot_rows[choice.slot] = row
         return choice.slot
+
+    def release_slot(self, slot: SlotId, row_unused: bool) -> None:
+        """Free a slot and give its row back to KV: at once when no copy of the plan being
+        built can touch the row (``row_unused``), else once that plan is handed out."""
+        self.slots.release(slot)
+        row = self.slot_rows.pop(slot, None)
+        if row is not None:
+            self.give_back_row(row, row_unused)
+
+    # -- state rows (§5.4 as built) ---------------------------------------------------------
+
+    def take_state_row(self, protected: frozenset[PageId], keep: Snapshot | None) -> RowId | None:
+        """A row for a running request's state (§9.5: active requests win), or None when every
+        row holds something in use. Nothing is lost first (a free row, or cached pages with
+        host copies), then a snapshot slot that is superseded or host-backed, then cached pages
+        without host copies (fewest first), then a device-only snapshot (`give_way`).
+        ``protected`` pages and ``keep`` (the admission's own source) stay."""
+        row = self._take_quarantined()
+        if row is None:
+            row = self._take_kv_row(protected, lossless_only=True)
+        if row is None:
+            victim = self.slots.give_way(exclude=keep)
+            if victim is not None and (
+                victim.superseded or victim.image_host is Residency.RESIDENT
+            ):
+                row = self._row_of_snapshot(victim)
+            else:
+                row = self._take_kv_row(protected, lossless_only=False)
+                if row is None and victim is not None:
+                    row = self._row_of_snapshot(victim)
+        if row is not None:
+            self.active_rows.add(row)
+        return row
+
+    @property
+    def state_rows_held(self) -> int:
+        """Rows that are states now: the scratch, running requests', slots', the quarantine."""
+        if not self.pages.num_rows:
+            return 0
+        return 1 + len(self.active_rows) + len(self.slot_rows) + len(self.quarantine)
+
+    def release_state_row(self, row: RowId, now: bool = False) -> None:
+        """A running request's state is no longer needed; its row returns to KV after the plan
+        being built (whose copies may read it, as the request's last capture does)."""
+        self.active_rows.remove(row)
+        self.give_back_row(row, now)
+
+    def give_back_row(self, row: RowId, now: bool) -> None:
+        if now:
+            if row in self.fresh_rows:  # KV pages again before the workers zeroed it
+                self.fresh_rows.remove(row)
+            self.pages.give_row(row)
+            self.prefetch_epoch += 1
+        else:
+            self.quarantine.append(row)
+
+    def plan_taken(self) -> None:
+        """The plan being built was handed out: quarantined rows become free KV pages."""
+        self.plan += 1
+        for row in self.quarantine:
+            self.give_back_row(row, now=True)
+        self.quarantine.clear()
+
+    def _take_quarantined(self) -> RowId | None:
+        """A row just given back serves a new state at once: copies into and out of state rows
+        keep their order within a plan. Only KV pages must wait for the plan to go out."""
+        return self.quarantine.pop() if self.quarantine else None
+
+    def _take_kv_row(self, protected: frozenset[PageId], lossless_only: bool) -> RowId | None:
+        choice = choose_kv_row(self.pages, self.lru, protected, lossless_only)
+        if choice is None:
+            return None
+        for entry in choice.evict:
+            if entry in self.lru:  # else gone with an ancestor evicted just before
+                self._evict(entry)
+        self.pages.take_row(choice.row)
+        self.fresh_rows.append(choice.row)
+        self.stats.state_rows_from_kv += 1
+        return choice.row
+
+    def _row_of_snapshot(self, victim: Snapshot) -> RowId:
+        """Take the victim's row over directly (copies into it stay ordered in the plan)."""
+        assert victim.slot is not None
+        row = self.slot_rows.pop(victim.slot)
+        self.stats.slot_evictions += 1
+        self._drop_image(victim)
+        return row
+
+    def _drop_image(self, victim: Snapshot) -> None:
+        """The victim loses its device image (and, device-only, everything)."""
+        if victim.image_host is Residency.RESIDENT:
+            self.drop_snapshot_image_device(victim)
+        else:
+            self.value.inflate(victim.priority)
+            self.delete_snapshot(victim)

@@ -22,6 +22,8 @@ SnapshotId = NewType("SnapshotId", int)
 PageId = NewType("PageId", int)
 SlabId = NewType("SlabId", int)
 SlotId = NewType("SlotId", int)
+RowId = NewType("RowId", int)
+"""A row of consecutive device pages that holds one Gated DeltaNet state (`DevicePagePool`)."""
 Tick = NewType("Tick", int)
 
 TICK_ZERO = Tick(0)

@@ -59,10 +59,13 @@ from openai_server import (
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, tiny_model_path
 
 KINDS = ("echo", "branch", "edit", "retry", "preamble", "cancel", "abort", "fresh")
-DEVICE_PAGES = 120
-"""vLLM blocks of the server (one is its null block): 119 pages of 64 tokens, 7,616 tokens."""
+DEVICE_PAGES = 345
+"""vLLM blocks of the server (one is its null block): 344 pages of 64 tokens, which hold KV
+pages and states alike (a state takes a row of 25, §5.4): 119 KV pages when all eight requests
+run, more when fewer do."""
 MAX_MODEL_LEN = 7_424
-"""What vLLM allows on that pool: room for the last request, 116 of the 119 pages."""
+"""The longest request the soak sends last: 116 pages and its state row, which fit only if
+nothing leaked."""
 LAST_PROMPT = MAX_MODEL_LEN - 64
 HOST_MIB = 48
 CONCURRENCY = 8

@@ -79,18 +79,40 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
             ensure_kv_transfer_shutdown()
 
 
-SMALL_POOL_PAGES = 60
-"""KV pages of the small-pool engines (one is vLLM's null block): 3,776 tokens."""
+ROW_PAGES = 25
+"""Pages of one state row on the tiny model (a 0.77 MiB state over 32 KiB pages, §5.4)."""
 
 
-def small_pool_llm(additional_config: dict[str, Any], **engine: Any) -> Any:
-    """An in-process hybrid-prefix engine far too small for everything: 59 KV pages, 4 running
-    requests, 512-token prefill chunks, a 2,048-token context (and vLLM's options ``engine``)."""
+def pages_with_states(
+    kv_pages: int, snapshot_rows: int, row_pages: int = ROW_PAGES, running_rows: int = 0
+) -> int:
+    """A pool of ``kv_pages`` (one is vLLM's null block) beside the rows of the scratch state,
+    ``snapshot_rows`` snapshots and ``running_rows`` running requests: the KV room an engine
+    has with that many running. Beyond them, running requests' states take rows from the KV
+    room at run time, as the cache gives way."""
+    return kv_pages + (1 + snapshot_rows + running_rows) * row_pages
+
+
+SMALL_POOL_PAGES = pages_with_states(60, snapshot_rows=3)
+"""Pages of the small-pool engines: 59 KV pages (3,776 tokens) when no request runs."""
+
+
+def small_pool_llm(
+    additional_config: dict[str, Any],
+    row_pages: int = ROW_PAGES,
+    running_rows: int = 0,
+    **engine: Any,
+) -> Any:
+    """An in-process hybrid-prefix engine far too small for everything: 59 KV pages when idle
+    (less while requests run), 4 running requests at most, 512-token prefill chunks, a
+    2,048-token context (and vLLM's options ``engine``). ``row_pages``: pages of a state row
+    for the KV dtype ``engine`` asks for (twice `ROW_PAGES` with 1-byte FP8 pages);
+    ``running_rows``: rows for running requests beside the 59 KV pages."""
     return running_llm(
         in_process=True,
         additional_config=additional_config,
         **{"max_model_len": 2048, **engine},
-        num_gpu_blocks_override=SMALL_POOL_PAGES,
+        num_gpu_blocks_override=pages_with_states(60, 3, row_pages, running_rows),
         max_num_seqs=4,
         max_num_batched_tokens=512,
     )

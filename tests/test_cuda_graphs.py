@@ -23,6 +23,7 @@ from engine_support import (
     cold_reference,
     greedy,
     greedy_params,
+    pages_with_states,
     random_prompt,
     resume_from_a_tap_an_endpoint_and_the_host,
     running_llm,
@@ -57,7 +58,7 @@ def graphs(tiny_model_dir: Any) -> Iterator[Any]:
     with running_llm(
         in_process=True,
         additional_config=HOSTED,
-        num_gpu_blocks_override=80,
+        num_gpu_blocks_override=pages_with_states(80, snapshot_rows=3),
         max_num_seqs=8,
         max_num_batched_tokens=1024,
         **DEFAULTS,

@@ -1,4 +1,4 @@
-"""The device tier under memory pressure, and with prefix reuse switched off (real engine)."""
+"""The device tier under memory pressure (real engine)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from engine_support import (
     cache_of,
     greedy,
     random_prompt,
-    running_llm,
     small_pool_llm,
     tokens,
 )
@@ -30,6 +29,26 @@ def small(tiny_model_dir: Any) -> Iterator[Any]:
         yield llm
 
 
+def test_snapshot_slots_go_to_newer_snapshots(small: Any, cold: Any) -> None:
+    """Three snapshot slots, six conversations in a row, each leaving a tail tap and an
+    endpoint: older snapshots give their slots up (§9.2) or go with their blocks, whose pages
+    the later conversations take (KV and snapshots share the pages, §5.4); no more than three
+    stay on the device, and answers stay exact. First in the module: an earlier test's
+    snapshots, worth more (longer prompts), would keep their slots."""
+    cache = cache_of(small)
+    stats = cache.index.stats
+    before = stats.slot_evictions + stats.snapshots_deleted
+    prompts = [random_prompt(seed=300 + i, length=600) for i in range(6)]
+    for prompt in prompts:
+        out = greedy(small, [prompt], 96)[0]
+        assert_same_up_to_near_tie(out, cold, prompt, 96)
+    assert stats.slot_evictions + stats.snapshots_deleted > before
+    assert len(cache.index.store.slot_rows) <= 3
+    follow_up = prompts[-1] + tokens(out) + random_prompt(seed=399, length=100)
+    assert_same_up_to_near_tie(greedy(small, [follow_up], ANSWER)[0], cold, follow_up, ANSWER)
+    cache.audit()
+
+
 def test_active_requests_never_lose_pages_the_cache_gives_way(small: Any, cold: Any) -> None:
     """Four rounds of four 1,500-token requests (24 pages each, 96 wanted of 59): requests
     wait or are preempted by vLLM, cached pages are evicted (their subtrees and snapshots with
@@ -41,37 +60,3 @@ def test_active_requests_never_lose_pages_the_cache_gives_way(small: Any, cold: 
             assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
         cache.audit()
     assert cache.index.stats.device_evictions_unbacked > 0
-
-
-def test_snapshot_slots_go_to_newer_snapshots(small: Any, cold: Any) -> None:
-    """Three snapshot slots, six conversations in a row, each leaving a tail tap and an
-    endpoint: older snapshots give their slots up (§9.2), and answers stay exact."""
-    cache = cache_of(small)
-    before = cache.index.stats.slot_evictions
-    prompts = [random_prompt(seed=300 + i, length=600) for i in range(6)]
-    for prompt in prompts:
-        out = greedy(small, [prompt], 96)[0]
-        assert_same_up_to_near_tie(out, cold, prompt, 96)
-    assert cache.index.stats.slot_evictions > before
-    follow_up = prompts[-1] + tokens(out) + random_prompt(seed=399, length=100)
-    assert_same_up_to_near_tie(greedy(small, [follow_up], ANSWER)[0], cold, follow_up, ANSWER)
-    cache.audit()
-
-
-@pytest.fixture(scope="module")
-def no_reuse(tiny_model_dir: Any) -> Iterator[Any]:
-    config = {**HYBRID, "no_prefix_reuse": True}
-    with running_llm(in_process=True, additional_config=config) as llm:
-        yield llm
-
-
-def test_no_prefix_reuse_caches_nothing(no_reuse: Any, cold: Any) -> None:
-    prompt = random_prompt(seed=5, length=1500)
-    outs = [greedy(no_reuse, [prompt], ANSWER)[0] for _ in range(2)]
-    assert tokens(outs[0]) == tokens(outs[1])  # the same computation, nothing reused
-    assert_same_up_to_near_tie(outs[0], cold, prompt, ANSWER)
-    assert [o.num_cached_tokens for o in outs] == [0, 0]
-    index = cache_of(no_reuse).index
-    assert not index.store.snapshots
-    assert all(not root.children for root in index.store.tree.roots)
-    cache_of(no_reuse).audit()

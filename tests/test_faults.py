@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cold_reference,
     greedy,
@@ -24,7 +25,11 @@ from vllm_hpc import faults
 pytestmark = pytest.mark.engine
 
 HOSTED = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 64}
-SMALL = {"max_model_len": 2048, "num_gpu_blocks_override": 60, "max_num_batched_tokens": 512}
+SMALL = {
+    "max_model_len": 2048,
+    "num_gpu_blocks_override": SMALL_POOL_PAGES,
+    "max_num_batched_tokens": 512,
+}
 
 
 @pytest.fixture(scope="module")

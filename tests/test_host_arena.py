@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from pool_support import bound_pool
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheTensor,
@@ -55,15 +56,8 @@ def _kv_caches(
 
 
 def _state_pool() -> StatePool:
-    pool = StatePool(active_slots=2, snapshot_slots=3, device=torch.device("cpu"))
-    for index, name in enumerate(GDN):
-        pool.add_layer(name, [(3, 12), (2, 16, 16)], [torch.bfloat16, torch.float32])
-        for tensor in pool.layer(name):
-            generator = torch.Generator().manual_seed(100 + index)
-            tensor.view(torch.uint8).copy_(
-                torch.randint(0, 256, tensor.view(torch.uint8).shape, generator=generator)
-            )
-    return pool
+    shapes, dtypes = [(3, 12), (2, 16, 16)], [torch.bfloat16, torch.float32]
+    return bound_pool(torch.device("cpu"), GDN, shapes, dtypes, rows=6)
 
 
 def _arena(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pool_support import bound_pool
 
 from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
@@ -41,12 +42,8 @@ def _kv(dtype: torch.dtype, block_outer: bool) -> dict[str, torch.Tensor]:
 
 
 def _pool() -> StatePool:
-    pool = StatePool(active_slots=4, snapshot_slots=4, device=torch.device("cuda"))
-    for name in GDN:
-        pool.add_layer(name, [(3, 1024), (8, 128, 128)], [torch.bfloat16, torch.float32])
-        for tensor in pool.layer(name):
-            tensor.view(torch.uint8).random_(0, 256)
-    return pool
+    shapes, dtypes = [(3, 1024), (8, 128, 128)], [torch.bfloat16, torch.float32]
+    return bound_pool(torch.device("cuda"), GDN, shapes, dtypes, rows=9)
 
 
 def _arena(kv: dict[str, torch.Tensor], pool: StatePool, slabs_per_chunk: int = 16) -> HostArena:

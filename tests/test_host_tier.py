@@ -161,7 +161,9 @@ def test_a_blocked_head_prefetches_its_host_only_path(hosted: Any, cold: Any) ->
                 outputs[out.request_id] = out
     assert cache.index.stats.blocks_prefetched > before
     assert cache.index.stats.prefetched_blocks_used > 0
-    assert outputs["head"].num_cached_tokens == 1472
+    # The prompt's tail tap (1,472) or, when memory is short at its admission (its state row
+    # comes out of the same pages), the tap a chunk lower whose image is still on the device.
+    assert outputs["head"].num_cached_tokens in (1024, 1472)
     assert_same_up_to_near_tie(outputs["head"], cold, head, ANSWER)
 
 
@@ -183,7 +185,7 @@ def test_a_blocked_head_aborted_while_its_prefetch_runs(hosted: Any, cold: Any) 
         engine.step()
     cache.audit()
     out = greedy(hosted, [prompt], ANSWER)[0]
-    assert out.num_cached_tokens == 1472
+    assert out.num_cached_tokens in (1024, 1472)  # as in the test above
     assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
 
 

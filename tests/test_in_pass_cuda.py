@@ -71,7 +71,7 @@ def snapshot_state(llm: Any, frontier: int, kind: SnapshotKind) -> list[torch.Te
     cache = cache_of(llm)
     found = [s for s in cache.index.store.snapshots if s.frontier == frontier and s.kind is kind]
     assert len(found) == 1 and found[0].slot is not None, f"no {kind} snapshot at {frontier}"
-    slot = cache.snapshot_pool_slot(found[0].slot)
+    slot = cache.index.slot_row(found[0].slot)
     return llm.collective_rpc(_slot_state, args=(slot,))[0]
 
 

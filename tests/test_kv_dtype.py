@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from engine_support import (
     RESUME_PATHS,
+    ROW_PAGES,
     cold_reference,
     resume_from_a_tap_an_endpoint_and_the_host,
     small_pool_llm,
@@ -31,7 +32,9 @@ def fp8_cold(tiny_model_dir: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def fp8(tiny_model_dir: Any) -> Iterator[Any]:
-    with small_pool_llm(RESUME_PATHS, **FP8) as llm:
+    # FP8 pages are half as large, so a state row is twice as many: the 59 KV pages could not
+    # also hold a running request's row, as they do with bf16 pages. One row is added for it.
+    with small_pool_llm(RESUME_PATHS, row_pages=2 * ROW_PAGES, running_rows=1, **FP8) as llm:
         assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
         yield llm
 

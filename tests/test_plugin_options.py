@@ -233,34 +233,31 @@ def test_server_refuses_an_impossible_option(tiny_model_dir: Path) -> None:
     assert "--host-cache-mib 1099511627776" in result.stderr
 
 
-MIB = 1 << 20
-
-
-def _sized(budget_mib: int, max_seqs: int = 256, **options: Any) -> tuple[int, int]:
-    from vllm_hpc.derived import size_state_pool
+def _caps(rows: int, max_seqs: int = 256, **options: Any) -> Any:
+    from vllm_hpc.derived import state_caps
 
     config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0, **options}
-    return size_state_pool(
-        PluginOptions.from_additional_config(config), budget_mib * MIB, MIB, max_seqs
-    )
+    return state_caps(PluginOptions.from_additional_config(config), rows, max_seqs)
 
 
-def test_state_pool_defaults_are_shares_of_the_cache_budget() -> None:
-    assert _sized(1000) == (50, 100)  # 5% and 10% of 1000 one-MiB states
-    assert _sized(1000, max_seqs=8) == (8, 100)  # C never exceeds max_num_seqs
-    assert _sized(100) == (5, 10)
-    assert _sized(30) == (1, 3)  # at least one active slot, D at least C + 2
+def test_state_caps_default_to_max_num_seqs_and_a_share_of_the_rows() -> None:
+    from vllm_hpc.derived import StateCaps
+
+    assert _caps(1000) == StateCaps(active=256, snapshots=100, sized_for=50)  # 10% of the rows
+    assert _caps(1000, max_seqs=8) == StateCaps(active=8, snapshots=100, sized_for=8)
+    assert _caps(30) == StateCaps(active=256, snapshots=3, sized_for=1)  # at least 1 + 2
+    assert _caps(3).snapshots == 2  # never more than the rows beside the scratch
 
 
-def test_state_pool_options_override_and_are_checked_against_the_budget() -> None:
-    assert _sized(1000, active_state_slots=200) == (200, 202)
-    assert _sized(1000, active_state_slots=200, device_snapshot_slots=10) == (200, 10)
+def test_state_caps_options_override_and_are_checked() -> None:
+    assert _caps(1000, active_state_slots=200).active == 200
+    assert _caps(1000, device_snapshot_slots=10).snapshots == 10
     with pytest.raises(OptionError, match=r"--active-state-slots 300 is more than --max-num-seqs"):
-        _sized(1000, active_state_slots=300)
-    with pytest.raises(OptionError, match=r"^--active-state-slots 250: 503 state slots"):
-        _sized(500, active_state_slots=250)
-    with pytest.raises(OptionError, match=r"^the derived 1 active and 3 snapshot slots"):
-        _sized(4)
+        _caps(1000, active_state_slots=300)
+    with pytest.raises(OptionError, match=r"^--device-snapshot-slots 1000 is more than the 999"):
+        _caps(1000, device_snapshot_slots=1000)
+    with pytest.raises(OptionError, match=r"--gpu-memory-utilization"):
+        _caps(1)
 
 
 def _policy(chunk: int, in_pass: bool, **options: Any) -> Any:

@@ -7,10 +7,10 @@ the host budget check.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, IndexConfig, TapPolicy
 from vllm_hpc.index.tap_planner import (
     SPEC_LADDER_TOKENS,
     SPEC_MIN_GAP_TOKENS,
@@ -24,9 +24,12 @@ if TYPE_CHECKING:
     from vllm_hpc.options import PluginOptions
 
 ACTIVE_SHARE = 0.05
-"""Default cap on active state slots: this share of the cache budget (memory less weights)."""
+"""The running requests a cache of R state rows is sized for, as a share of R: where the
+snapshot cap starts, and what the tap density compares it with. Not a cap on running requests:
+they take rows at run time, up to --max-num-seqs."""
 SNAPSHOT_SHARE = 0.10
-"""Default snapshot slots: this share of the cache budget, at least C + these spares:"""
+"""Default cap on device snapshots: this share of the KV cache's rows, at least the sized-for
+running requests plus these spares:"""
 SPARE_SLOTS = 2
 SPARE_SLOTS_WITH_HOST = 1
 
@@ -90,37 +93,60 @@ def tap_policy(
     )
 
 
-def size_state_pool(
-    options: PluginOptions, budget: int, image_bytes: int, max_seqs: int
-) -> tuple[int, int]:
-    """(active slots C, snapshot slots D): the options where given, else shares of ``budget``
-    (C capped by max_num_seqs; D at least C + 2 without a host tier, C + 1 with one)."""
+@dataclass(frozen=True, slots=True)
+class StateCaps:
+    """How the rows of the KV cache may be shared among states (§5.4 as built)."""
+
+    active: int
+    """Most requests running at once: --active-state-slots, else max_num_seqs."""
+    snapshots: int
+    """Most snapshots on the device: --device-snapshot-slots, else a share of the rows."""
+    sized_for: int
+    """The running requests the snapshot default and the tap density assume."""
+
+
+def state_caps(options: PluginOptions, rows: int, max_seqs: int) -> StateCaps:
+    """The caps from the options where given, else from the ``rows`` the KV cache holds (each
+    one state's worth of pages), with a clear error naming the option that cannot fit."""
+    if rows < 2:
+        raise OptionError(
+            f"the KV cache holds {rows} state row(s), not even one beside the scratch row: give "
+            "vLLM more memory (--gpu-memory-utilization, --kv-cache-memory-bytes or "
+            "--num-gpu-blocks-override)"
+        )
     active = options.active_state_slots
     if active is None:
-        active = max(1, min(max_seqs, int(ACTIVE_SHARE * budget // image_bytes)))
+        active = max_seqs
     elif active > max_seqs:
         raise OptionError(
             f"--active-state-slots {active} is more than --max-num-seqs {max_seqs}: no more "
             "than that many requests ever run at once"
         )
-    snapshot = options.device_snapshot_slots
-    if snapshot is None:
+    sized_for = max(1, min(active, int(ACTIVE_SHARE * rows)))
+    snapshots = options.device_snapshot_slots
+    if snapshots is None:
         spare = SPARE_SLOTS if options.host_tier_mib == 0 else SPARE_SLOTS_WITH_HOST
-        snapshot = max(active + spare, int(SNAPSHOT_SHARE * budget // image_bytes))
-    needed = (1 + active + snapshot) * image_bytes
-    if needed > budget:
-        given = []
-        if options.active_state_slots is not None:
-            given.append(f"--active-state-slots {active}")
-        if options.device_snapshot_slots is not None:
-            given.append(f"--device-snapshot-slots {snapshot}")
-        what = ", ".join(given) or f"the derived {active} active and {snapshot} snapshot slots"
+        snapshots = max(sized_for + spare, int(SNAPSHOT_SHARE * rows))
+    elif snapshots > rows - 1:
         raise OptionError(
-            f"{what}: {1 + active + snapshot} state slots of "
-            f"{image_bytes / 2**20:.1f} MiB need {needed / 2**30:.2f} GiB, more than the "
-            f"{budget / 2**30:.2f} GiB of device memory left for caches"
+            f"--device-snapshot-slots {snapshots} is more than the {rows - 1} state rows the KV "
+            "cache holds beside its scratch row"
         )
-    return active, snapshot
+    return StateCaps(active, min(snapshots, rows - 1), sized_for)
+
+
+def check_one_request_fits(max_model_len: int, device_pages: int, row_pages: int) -> None:
+    """Refuse a KV cache that cannot hold one request of --max-model-len tokens with its state
+    row beside the scratch row (vLLM's own check counts the KV pages alone)."""
+    need = -(-max_model_len // BLOCK_TOKENS) + row_pages
+    usable = device_pages - row_pages
+    if need > usable:
+        raise OptionError(
+            f"--max-model-len {max_model_len}: one request that long needs {need} device pages "
+            f"(its KV and a state row of {row_pages}), and the KV cache has {usable} beside its "
+            "scratch row; lower --max-model-len or give vLLM more memory "
+            "(--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)"
+        )
 
 
 def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
@@ -141,28 +167,33 @@ def runtime_config(
     options: PluginOptions,
     *,
     device_pages: int,
+    row_pages: int,
     page_bytes: int,
     image_bytes: int,
-    active_slots: int,
-    snapshot_slots: int,
+    max_seqs: int,
+    max_model_len: int,
     chunk: int,
     in_pass: bool,
 ) -> RuntimeConfig:
-    """The scheduler's cache configuration, from the options and what vLLM sized: KV pages
-    (ids from 1: vLLM's block 0 is its null block) of ``page_bytes`` over every attention
-    layer, the state pool's slots of ``image_bytes``, the prefill chunk."""
+    """The scheduler's cache configuration, from the options and what vLLM sized: device
+    pages (ids from 1: vLLM's block 0 is its null block) of ``page_bytes`` over every attention
+    layer, grouped in state rows of ``row_pages``; states of ``image_bytes``; the prefill
+    chunk."""
     geometry = HostGeometry(page_bytes, image_bytes)
     check_host_budget(options.host_tier_mib, geometry)  # the slab pool would refuse it unnamed
+    caps = state_caps(options, device_pages // row_pages, max_seqs)
+    check_one_request_fits(max_model_len, device_pages, row_pages)
     return RuntimeConfig(
         index=IndexConfig(
             device_pages=device_pages,
             first_page_id=1,
-            snapshot_slots=snapshot_slots,
+            snapshot_slots=caps.snapshots,
+            row_pages=row_pages,
             geometry=geometry,
             host_budget_bytes=options.host_tier_mib << 20,
         ),
-        active_slots=active_slots,
-        tap_policy=tap_policy(options, chunk, active_slots, snapshot_slots, in_pass),
+        active_cap=caps.active,
+        tap_policy=tap_policy(options, chunk, caps.sized_for, caps.snapshots, in_pass),
         chunk_tokens=chunk,
         prefix_reuse=not options.no_prefix_reuse,
         in_pass_taps=in_pass,

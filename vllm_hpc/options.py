@@ -116,10 +116,9 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="active_state_slots",
         flag="--active-state-slots",
         help=(
-            "Device state slots for running requests: at most this many requests run at once. "
-            "Default: min(--max-num-seqs, {active_share} of the cache budget / one state), "
-            "reported at start-up; raise it for high concurrency, at the cost of KV and "
-            "snapshot room. " + _HYBRID_ONLY
+            "Cap on requests running at once, each holding a state in rows of KV pages taken "
+            "at run time (at most --max-num-seqs). Default: --max-num-seqs, so memory alone "
+            "bounds concurrency, as with vLLM's own caching. " + _HYBRID_ONLY
         ),
         parse=_count(1),
     ),
@@ -127,9 +126,10 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="device_snapshot_slots",
         flag="--device-snapshot-slots",
         help=(
-            "Device state slots for snapshots (taps and endpoints), beside one active slot per "
-            "running request. Default: {snapshot_share} of the cache budget / one state, at "
-            "least the active slots plus {spare_slots} ({spare_slots_host} with a host tier), "
+            "Cap on snapshots (taps and endpoints) kept on the device, each in a row of KV "
+            "pages that running requests and KV take back under load. Default: "
+            "{snapshot_share} of the KV cache's rows, at least {spare_slots} "
+            "({spare_slots_host} with a host tier) more than {active_share} of them; "
             "reported at start-up. " + _HYBRID_ONLY
         ),
         parse=_count(1),

@@ -16,6 +16,8 @@ from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo, RuntimeConfig
 from vllm_hpc.runtime.plan import StepPlan
 
 CHUNK = 1024
+ROW_PAGES = 4
+"""Pages per state row: a state (4,096 bytes) is four 1,024-byte pages."""
 
 
 def make_cache(
@@ -35,13 +37,19 @@ def make_cache(
         chunk_tokens=policy.chunk_tokens,
         dense_flexible=dense,
     )
+    """A cache of ``pages`` KV pages beside the rows of its scratch, ``active_slots`` running
+    requests and ``snapshot_slots`` snapshots (states share the page space)."""
     index = IndexConfig(
-        device_pages=pages, geometry=HostGeometry(1024, 4096), snapshot_slots=snapshot_slots
+        device_pages=pages + (1 + active_slots + snapshot_slots) * ROW_PAGES,
+        geometry=HostGeometry(1024, 4096),
+        snapshot_slots=snapshot_slots,
+        first_page_id=1,
+        row_pages=ROW_PAGES,
     )
     return HybridPrefixCache(
         RuntimeConfig(
             index=index,
-            active_slots=active_slots,
+            active_cap=active_slots,
             tap_policy=policy,
             chunk_tokens=CHUNK,
             in_pass_taps=in_pass,

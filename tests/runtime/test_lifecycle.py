@@ -92,7 +92,9 @@ def test_reset_is_refused_while_a_request_runs_then_clears_the_cache() -> None:
 
 
 def test_a_small_pool_evicts_the_oldest_entries_first() -> None:
-    cache = make_cache(pages=40)  # 2,560 tokens
+    # 2,560 tokens beside the state rows: 60 pages, of which the scratch and three snapshots
+    # leave 44 to KV when no request runs, one short of three prompts' 45
+    cache = make_cache(pages=40, active_slots=1, snapshot_slots=3)
     oldest, middle, newest = (prompt(900, seed=s) for s in (12, 13, 14))
     for tokens in (oldest, middle, newest):
         run(cache, tokens)

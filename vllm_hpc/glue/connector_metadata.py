@@ -16,6 +16,7 @@ from vllm_hpc.runtime.plan import HostRestore, HostWrite, InPassCapture, StateCo
 class StepMetadata(KVConnectorMetadata):
     """What the workers copy for one step (`vllm_hpc.runtime.plan`, less vLLM's page copies)."""
 
+    state_zeros: list[int] = field(default_factory=list)
     state_copies: list[StateCopy] = field(default_factory=list)
     in_pass: list[InPassCapture] = field(default_factory=list)
     host_writes: list[HostWrite] = field(default_factory=list)

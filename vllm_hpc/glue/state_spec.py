@@ -14,11 +14,12 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 @dataclass(frozen=True, kw_only=True)
 class StateSlotSpec(MambaSpec):
-    """The GDN layers' proxy spec: one byte per "block", plus the state pool's geometry."""
+    """The GDN layers' proxy spec: one byte per "block", plus the states' sizes."""
 
-    active_slots: int
-    snapshot_slots: int
+    layer_state_bytes: int
+    """Bytes one layer's state takes in a state row (`vllm_hpc.glue.row_layout`)."""
     image_bytes: int
+    """Bytes of one state over every GDN layer: a snapshot image on the host."""
     in_pass_taps: bool
     """The layers save states inside a prefill pass (`vllm_hpc.glue.worker.in_pass`)."""
 

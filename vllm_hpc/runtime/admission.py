@@ -1,15 +1,19 @@
 """Admission: a waiting request's lookup, its wait for a sibling (in-flight coalescing), the
-prefetch a blocked head gets, and the admission itself: source, active state slot, pages.
+prefetch a blocked head gets, and the admission itself: source, state row, pages.
 
-A lookup is read-only for the index (§6.1-§6.3). `admit` takes the quoted source and the first
-chunk's pages, or returns None and the request waits; vLLM keeps the queue's head waiting, so
-nothing behind it overtakes it.
+A lookup is read-only for the index (§6.1-§6.3). `admit` takes a state row, the quoted source
+and the first chunk's pages, or returns None and the request waits; vLLM keeps the queue's head
+waiting, so nothing behind it overtakes it. The state row comes out of the same device pages as
+KV (§5.4 as built), so the quote counts it among the pages the request needs.
 """
 
 from __future__ import annotations
 
 from vllm_hpc.index import (
     BLOCK_TOKENS,
+    AdmissionQuote,
+    GrowthPages,
+    MatchResult,
     PageId,
     PrefixIndex,
     PreparedPrompt,
@@ -31,14 +35,14 @@ from vllm_hpc.runtime.telemetry import AdmissionCounters
 
 class Admission:
     def __init__(self, config: RuntimeConfig, index: PrefixIndex, pipeline: StepPipeline) -> None:
-        if config.active_slots <= 0:
-            raise ValueError(f"need at least one active state slot, got {config.active_slots}")
+        if config.active_cap <= 0:
+            raise ValueError(f"need room for one running request, got {config.active_cap}")
+        if index.row_pages <= 0:
+            raise ValueError("the index must hold the state rows (IndexConfig.row_pages)")
         self.config = config
         self.index = index
         self.pipeline = pipeline
         self.planner = TapPlanner(config.tap_policy)
-        self.free_slots = list(range(config.active_slots, 0, -1))
-        """Active state slots 1..C not held by a running request (0 is the workers' scratch)."""
         self.live: set[Lane] = set()
         """Admitted requests not yet finished."""
         self.counters = AdmissionCounters()
@@ -47,9 +51,9 @@ class Admission:
         """Waiting requests that held back for a sibling's snapshot (§12.2)."""
 
     def leave(self, lane: Lane) -> None:
-        """The lane finished: its active slot is free again."""
+        """The lane finished: it no longer counts against the cap (its row goes when its last
+        capture has published, `Captures`)."""
         self.live.remove(lane)
-        self.free_slots.append(lane.slot)
 
     def lookup(self, request: RequestInfo) -> Lookup:
         """Match the prompt, choose the source and plan the taps (§6.1-6.3, §7.1). Read-only."""
@@ -64,16 +68,8 @@ class Admission:
                 request.token_ids, media=request.media, cache_salt=request.cache_salt
             )
             self._prepared[request.request_id] = prompt
-        match = self.index.match(prompt)
-        if not request.read_cache:
-            match = type(match)(prompt, match.root, [], [])
-        chunk = self.config.chunk_tokens
-
-        def growth(frontier: int) -> int:
-            end = min(n, frontier + chunk)
-            return max(0, pages_for(end) - pages_for(frontier))
-
-        quote = self.index.quote(match, growth)
+        match = self._match(prompt, request.read_cache)
+        quote = self.index.quote(match, self._growth(n, with_row=True))
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
                 f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
@@ -135,6 +131,23 @@ class Admission:
             plan_exact_tap(best, deepest)
         return best
 
+    def _match(self, prompt: PreparedPrompt, read_cache: bool) -> MatchResult:
+        """The prompt's match; empty for a request that writes to the cache but reads nothing."""
+        match = self.index.match(prompt)
+        return match if read_cache else MatchResult(prompt, match.root, [], [])
+
+    def _growth(self, n: int, with_row: bool) -> GrowthPages:
+        """Pages a request of ``n`` tokens needs when it resumes at a frontier: its first
+        chunk's, and its state row's unless it holds one already."""
+        chunk = self.config.chunk_tokens
+        row = self.index.row_pages if with_row else 0
+
+        def growth(frontier: int) -> int:
+            end = min(n, frontier + chunk)
+            return max(0, pages_for(end) - pages_for(frontier)) + row
+
+        return growth
+
     def prefetch(self, lookup: Lookup) -> None:
         """The queue's head cannot be admitted now: copy its source's host-only blocks into
         spare device pages while it waits (§6.6), so its admission restores only the rest.
@@ -163,8 +176,8 @@ class Admission:
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
     ) -> Lane | None:
-        """Take the source, a state slot and pages for the first chunk; None: no room now."""
-        if not self.free_slots:
+        """Take a state row, the source and pages for the first chunk; None: no room now."""
+        if len(self.live) >= self.config.active_cap:
             return None
         frontier = lookup.frontier
         quote = lookup.quote
@@ -173,10 +186,17 @@ class Admission:
             return None
         if quote is not None and quote.readiness is not Readiness.READY:
             return None
-        need = pages_for(end) - frontier // BLOCK_TOKENS
+        need = pages_for(end) - frontier // BLOCK_TOKENS + self.index.row_pages
         if quote is None and need > self.index.available_pages:
             return None
-        slot = self.free_slots.pop()
+        slot = self.index.take_state_row(quote)
+        if slot is None:
+            return None
+        if quote is not None:
+            quote = self._requote(lookup, quote)
+            if quote is None:
+                self.index.release_state_row(slot, unused=True)
+                return None
         from_host = False
         pages: list[PageId] = []
         private: set[PageId] = set()
@@ -216,6 +236,21 @@ class Admission:
         else:
             self.counters.hit_tokens_device += frontier
         return lane
+
+    def _requote(self, lookup: Lookup, quote: AdmissionQuote) -> AdmissionQuote | None:
+        """The quote again, now that the row is taken (which evicted, so the cache moved on):
+        its source was kept, so it still serves unless the pages ran short."""
+        assert lookup.prompt is not None
+        match = self._match(lookup.prompt, lookup.read_cache)
+        fresh = self.index.quote(match, self._growth(lookup.prompt.num_tokens, with_row=False))
+        same = (
+            fresh.readiness is Readiness.READY
+            and fresh.source is not None
+            and quote.source is not None
+            and fresh.source.snapshot is quote.source.snapshot
+            and fresh.source.frontier == quote.source.frontier
+        )
+        return fresh if same else None
 
     def _plan_restore(
         self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]

@@ -55,7 +55,7 @@ class HybridPrefixCache:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.index = PrefixIndex(config.index)
-        self.pipeline = StepPipeline(self.index, config.index.geometry, config.active_slots)
+        self.pipeline = StepPipeline(self.index, config.index.geometry)
         self.admission = Admission(config, self.index, self.pipeline)
         self.captures = Captures(self.index, self.pipeline, self.admission, config.in_pass_taps)
         self.audits = AuditCounters()
@@ -136,6 +136,7 @@ class HybridPrefixCache:
         values["active_slots_used"] = len(self.admission.live)
         values["device_pages_free"] = store.pages.num_free
         values["device_pages_evictable"] = len(store.lru)
+        values["device_pages_state"] = store.state_rows_held * store.pages.row_pages
         slabs, slab_bytes = store.slabs, store.slabs.geometry.slab_bytes
         values["host_bytes_blocks"] = slabs.num_in_use(SlabUse.NODE) * slab_bytes
         values["host_bytes_images"] = slabs.num_in_use(SlabUse.IMAGE) * slab_bytes
@@ -158,10 +159,11 @@ class HybridPrefixCache:
                 f"private pages: {len(active)} held, {len(expected)} accounted for "
                 f"(leaked {sorted(active - expected)[:8]}, missing {sorted(expected - active)[:8]})"
             )
-        free, running = len(self.admission.free_slots), len(self.admission.live)
-        if free + running != self.config.active_slots:
+        rows = {lane.slot for lane in live}
+        if rows != self.index.store.active_rows or len(rows) != len(live):
             raise InvariantError(
-                f"active slots: {free} free + {running} running != {self.config.active_slots}"
+                f"state rows: {len(live)} running or retiring requests, "
+                f"{len(self.index.store.active_rows)} active rows held"
             )
         transfers = self.pipeline.transfers_pending
         if self.index.num_in_flight != transfers:
@@ -175,7 +177,7 @@ class HybridPrefixCache:
     @property
     def usage(self) -> float:
         """Fraction of device pages held by running requests (cached pages count as free)."""
-        capacity = self.config.index.device_pages
+        capacity = self.index.store.usable_pages
         return 1.0 - self.index.available_pages / capacity
 
     def reset(self) -> bool:

@@ -218,6 +218,7 @@ class Captures:
             self.index.free_pages([capture.tail_page])
 
     def _release(self, lane: Lane) -> None:
+        self.index.release_state_row(lane.slot)
         if lane.private:
             self.pipeline.quarantine(sorted(lane.private))
             lane.private = set()

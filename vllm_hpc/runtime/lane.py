@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_hpc.index import Lease, PageId, PlannedTap, PreparedPrompt, SlotId, SnapshotKind
+from vllm_hpc.index import Lease, PageId, PlannedTap, PreparedPrompt, RowId, SlotId, SnapshotKind
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
 
 
@@ -37,8 +37,8 @@ class Lane:
     """One running request (a lane): its block table, state slot, cache lease and taps."""
 
     request_id: str
-    slot: int
-    """Its active state slot in the workers' state pool."""
+    slot: RowId
+    """Its state row in the device page space (the workers' state index for it)."""
     pages: list[PageId]
     """Block table of the attention group: page of block b at index b."""
     private: set[PageId]

@@ -41,10 +41,9 @@ WriteRecord = BlockWrite | SnapshotWrite
 
 
 class StepPipeline:
-    def __init__(self, index: PrefixIndex, geometry: HostGeometry, active_slots: int) -> None:
+    def __init__(self, index: PrefixIndex, geometry: HostGeometry) -> None:
         self.index = index
         self.geometry = geometry
-        self.active_slots = active_slots
         self.plan = StepPlan()
         """The plan being built; `take_plan` hands it out."""
         self.plans_taken = 0
@@ -63,8 +62,8 @@ class StepPipeline:
         """Handed-out write batches the workers have not reported done, by batch number."""
 
     def snapshot_pool_slot(self, slot: SlotId) -> int:
-        """Workers' pool id of index snapshot slot ``slot`` (after the scratch and active slots)."""
-        return 1 + self.active_slots + slot
+        """Workers' state row of index snapshot slot ``slot``."""
+        return self.index.slot_row(slot)
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -90,11 +89,13 @@ class StepPipeline:
     def take_plan(self) -> StepPlan:
         """The copies the workers run before this step's forward pass."""
         plan, self.plan = self.plan, StepPlan()
+        plan.state_zeros = list(self.index.take_fresh_rows())
         if self._write_batch:
             plan.host_writes.append(self._host_write(self.plans_taken, self._write_batch))
             self._writing[self.plans_taken] = self._write_batch
             self._write_batch = []
         self.plans_taken += 1
+        self.index.plan_taken()
         return plan
 
     def _host_write(self, batch: int, records: list[WriteRecord]) -> HostWrite:

@@ -86,6 +86,8 @@ class HostRestore:
 class StepPlan:
     """The copies of one step, in execution order."""
 
+    state_zeros: list[int] = field(default_factory=list)
+    """State rows that held KV pages until this step: zeroed before any copy."""
     state_copies: list[StateCopy] = field(default_factory=list)
     in_pass: list[InPassCapture] = field(default_factory=list)
     page_copies: list[PageCopy] = field(default_factory=list)

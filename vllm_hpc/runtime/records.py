@@ -25,8 +25,9 @@ class InfeasibleRequest(ValueError):
 @dataclass(frozen=True)
 class RuntimeConfig:
     index: IndexConfig
-    active_slots: int
-    """C: state slots of running requests (pool ids 1..C; id 0 is the workers' scratch slot)."""
+    active_cap: int
+    """Most requests running at once (--active-state-slots, else max_num_seqs). Each holds a
+    state row of the device page space while it runs; row 0 is the workers' scratch."""
     tap_policy: TapPolicy
     chunk_tokens: int
     """The scheduler's token budget per step: a new request's first chunk is at most this."""

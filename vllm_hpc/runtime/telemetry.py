@@ -175,6 +175,7 @@ LEVELS = (
     _level("active_slots_used", "Active state slots in use (running requests)"),
     _level("device_pages_free", "Free device KV pages"),
     _level("device_pages_evictable", "Cached device KV pages no request holds (evictable)"),
+    _level("device_pages_state", "Device pages holding states (running requests, snapshots)"),
     _level("host_bytes_blocks", "Host tier bytes holding KV blocks"),
     _level("host_bytes_images", "Host tier bytes holding snapshot state images"),
     _level("host_bytes_tails", "Host tier bytes holding snapshot tail pages"),

@@ -30,7 +30,12 @@ class ConnectorScheduler:
     def build_connector_meta(self) -> StepMetadata:
         plan = self._manager.take_worker_plan()
         return StepMetadata(
-            plan.state_copies, plan.in_pass, plan.host_writes, plan.host_restores, plan.prefetches
+            plan.state_zeros,
+            plan.state_copies,
+            plan.in_pass,
+            plan.host_writes,
+            plan.host_restores,
+            plan.prefetches,
         )
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -4,7 +4,7 @@
 puts this class in its place. It translates vLLM's requests and block lists to the runtime's terms:
 
 - KV cache group "attention" (every full-attention layer): the request's 64-token pages.
-- KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state slot.
+- KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state row.
 
 Everything vLLM asks of a manager that the cache has no use for (KV events, boundary state
 offloads, external-load bookkeeping) answers "nothing".
@@ -24,13 +24,14 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from vllm_hpc.derived import runtime_config
+from vllm_hpc.glue.row_layout import RowLayout, plan_rows, spans_of
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
 from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.index import MediaItem, TapHint
-from vllm_hpc.options import PluginOptions
+from vllm_hpc.options import OptionError, PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
     InfeasibleRequest,
@@ -74,20 +75,26 @@ class HybridPrefixKVCacheManager:
         state_spec = groups[self._state_groups[0]].kv_cache_spec
         assert isinstance(state_spec, StateSlotSpec), "model must be vllm_hpc's Qwen3.5 class"
         assert len(attention) == 1, "one full-attention KV cache group expected"
-        page_bytes = attention[0].kv_cache_spec.page_size_bytes * len(attention[0].layer_names)
+        layer_page = attention[0].kv_cache_spec.page_size_bytes
+        page_bytes = layer_page * len(attention[0].layer_names)
+        num_states = sum(len(groups[i].layer_names) for i in self._state_groups)
+        rows = state_rows(
+            kv_cache_config, attention[0].layer_names, layer_page, state_spec, num_states
+        )
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
         config = runtime_config(
             options,
             device_pages=kv_cache_config.num_blocks - 1,  # block 0 is vLLM's null block
+            row_pages=rows.row_pages,
             page_bytes=page_bytes,
             image_bytes=state_spec.image_bytes,
-            active_slots=state_spec.active_slots,
-            snapshot_slots=state_spec.snapshot_slots,
+            max_seqs=vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=max_model_len,
             chunk=vllm_config.scheduler_config.max_num_batched_tokens,
             in_pass=state_spec.in_pass_taps,
         )
         self.cache = HybridPrefixCache(config)
-        self.active_slots = state_spec.active_slots
+        self.active_cap = config.active_cap
         self.max_model_len = max_model_len
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
@@ -107,15 +114,20 @@ class HybridPrefixKVCacheManager:
         self._prompt_keys: dict[str, PromptKeys] = {}
         """Each request's hints and keys, computed once (they scan the prompt and hash its
         embeddings) and dropped in `free`."""
+        pages = kv_cache_config.num_blocks - 1
         logger.info(
-            "hybrid-prefix cache: %d KV pages of 64 tokens (%.1f KiB each), %d active and %d "
-            "snapshot state slots (%.2f MiB each), taps per request %d, ladder %d, min gap %d, "
-            "flexible taps every %d tokens: %s, taps inside a pass: %s, host tier: %s%s",
-            kv_cache_config.num_blocks - 1,
+            "hybrid-prefix cache: %d device pages of 64 tokens (%.1f KiB each) shared at run "
+            "time by KV and states: a state (%.2f MiB) takes a row of %d pages, %d rows, row 0 "
+            "scratch; up to %d running requests, up to %d device snapshots; taps per request "
+            "%d, ladder %d, min gap %d, flexible taps every %d tokens: %s, taps inside a pass: "
+            "%s, host tier: %s%s",
+            pages,
             page_bytes / 1024,
-            state_spec.active_slots,
-            state_spec.snapshot_slots,
             state_spec.image_bytes / 2**20,
+            rows.row_pages,
+            pages // rows.row_pages,
+            config.active_cap,
+            config.index.snapshot_slots,
             config.tap_policy.max_new_taps,
             config.tap_policy.ladder_tokens,
             config.tap_policy.min_gap_tokens,
@@ -321,6 +333,24 @@ class PromptKeys:
     tenant: str | None
     """`cache_salt` plus the LoRA adapter and prompt embeddings (`glue.scheduler.cache_key`)."""
     media: tuple[MediaItem, ...]
+
+
+def state_rows(
+    kv_cache_config: Any,
+    attention_layers: list[str],
+    layer_page: int,
+    state_spec: StateSlotSpec,
+    num_states: int,
+) -> RowLayout:
+    """The state rows of this KV cache, as the workers lay them out (`StatePool.bind`)."""
+    tensor = next(t for t in kv_cache_config.kv_cache_tensors if t.layers[0] in attention_layers)
+    bases = [tensor.offset + i * tensor.layer_stride for i in range(len(tensor.layers))]
+    try:
+        spans = spans_of(bases, tensor.block_stride, layer_page)
+    except ValueError as error:
+        raise OptionError(f"--kv-cache-manager hybrid-prefix: {error}") from error
+    pages = kv_cache_config.num_blocks - 1
+    return plan_rows(spans, state_spec.layer_state_bytes, num_states, pages)
 
 
 def request_info(request: Any, keys: PromptKeys) -> RequestInfo:

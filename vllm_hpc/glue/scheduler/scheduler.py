@@ -54,7 +54,7 @@ class _HybridPrefixMixin:
             super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
         finally:
             vllm_scheduler.KVCacheManager = original
-        slots = self.kv_cache_manager.active_slots
+        slots = self.kv_cache_manager.active_cap
         self.max_num_running_reqs = min(self.max_num_running_reqs, slots)
         self.max_num_active_reqs = min(self.max_num_active_reqs, slots)
         self.need_mamba_block_aligned_split = True

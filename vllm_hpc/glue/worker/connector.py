@@ -50,12 +50,18 @@ class ConnectorWorker:
         return self.meter.read()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Bind the host tier to the attention KV caches and the state pool."""
+        """Lay the state pool over the KV cache buffer, then bind the host tier to both."""
+        pool = self._state_pool()
+        rows = pool.bind(kv_caches, self._kv_cache_config.num_blocks)
+        logger.info(
+            "hybrid-prefix state rows: %d rows of %d KV pages in the KV cache buffer",
+            rows.num_rows,
+            rows.row_pages,
+        )
         options = PluginOptions.from_additional_config(self._vllm_config.additional_config)
         host_mib = options.host_tier_mib
         if not host_mib:
             return
-        pool = self._state_pool()
         layout = DeviceLayout.bind(kv_caches, self._kv_cache_config.num_blocks, pool)
         grid = SlabGrid.for_budget(host_mib, layout.geometry)
         # Pinning takes seconds per 10 GiB: say so before, and how long it took after.
@@ -79,6 +85,8 @@ class ConnectorWorker:
         self._restores.clear()
         self._prefetches.clear()
         pool = self._state_pool()
+        if connector_metadata.state_zeros:
+            pool.zero(connector_metadata.state_zeros)
         if connector_metadata.state_copies:
             try:
                 pool.copy(connector_metadata.state_copies)

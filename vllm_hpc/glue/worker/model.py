@@ -6,9 +6,10 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
 - `is_hybrid = False`: vLLM then neither inflates the attention block to the size of a state
   page nor switches on its "align" state caching. Attention KV stays in 64-token pages.
 - Every Gated DeltaNet layer becomes a `HybridPrefixGDN`, whose states live in the worker's
-  `StatePool` instead of vLLM's KV block pool. Its KV-cache spec is a one-byte `StateSlotSpec`:
-  vLLM still builds GDN metadata for it, the "block id" it hands the layer for a request is the
-  request's state slot, and the spec carries the pool's slot counts to the scheduler.
+  `StatePool`: rows of pages in vLLM's own KV cache buffer, which the index shares between KV
+  pages and states at run time. Its KV-cache spec is a one-byte `StateSlotSpec`: vLLM still
+  builds GDN metadata for it, the "block id" it hands the layer for a request is the request's
+  state row, and the spec carries the state's size to the scheduler.
 - On CUDA with vLLM's FLA (Triton) prefill kernel, a GDN layer also saves the step's in-pass
   captures (`vllm_hpc.glue.worker.in_pass`), and the spec tells the scheduler it can.
 """
@@ -32,12 +33,11 @@ from vllm.model_executor.models.qwen3_5 import (
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from vllm_hpc.derived import size_state_pool
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
 from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
-from vllm_hpc.options import OptionError, PluginOptions
+from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -49,8 +49,8 @@ class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     out by `HybridPrefixKVCacheManager`). vLLM's warm-up steps and dummy runs bypass the
     scheduler and disable the KV connector (`kv_connector.set_disabled(True)`): V2's
     `_warmup_kernels` numbers blocks 1, 2, ... across every KV cache group of up to
-    max_num_seqs requests, far past the pool's 1 + C + D rows. Such steps run on the scratch
-    slot 0, as vLLM's own dummy block tables do (`BlockTables.get_dummy_block_tables`).
+    max_num_seqs requests, far past the pool's rows. Such steps run on the scratch row 0, as
+    vLLM's own dummy block tables do (`BlockTables.get_dummy_block_tables`).
     """
 
     def __init__(self, kv_cache_spec: Any, layer_names: Any, vllm_config: Any, device: Any):
@@ -84,6 +84,15 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     state_pool: StatePool
 
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, ...]:
+        """vLLM's kernels read the layer's `(conv, ssm)` here: the pool's views."""
+        return self.state_pool.layer(self.prefix)
+
+    @kv_cache.setter
+    def kv_cache(self, value: Any) -> None:
+        """vLLM binds its own (proxy) views; the pool's stand (`StatePool.bind`)."""
+
     def get_attn_backend(self) -> type[GDNAttentionBackend]:
         return StateSlotGDNBackend
 
@@ -95,14 +104,13 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
             block_size=BLOCK_TOKENS,
             mamba_type=self.mamba_type,
             mamba_cache_mode="none",
-            active_slots=pool.active_slots,
-            snapshot_slots=pool.snapshot_slots,
-            image_bytes=pool.slot_bytes,
+            layer_state_bytes=pool.layer_state_bytes,
+            image_bytes=pool.image_bytes,
             in_pass_taps=pool.in_pass_taps,
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = self.state_pool.layer(self.prefix)
+        """The pool binds every layer at once (it needs the attention layers' pages)."""
 
     # vLLM's GDN custom ops (CUDA) call one of these to read and write the states: the first
     # pass after a host restore waits here for this layer's part of it (§6.5).
@@ -140,17 +148,11 @@ def _gdn_layers(model: torch.nn.Module) -> list[QwenGatedDeltaNetAttention]:
 
 
 def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
-    """Size the pool from the options and the memory budget, then adopt the GDN layers."""
+    """Adopt the GDN layers into one pool; its memory comes from the KV cache (`bind`)."""
     layers = _gdn_layers(model)
-    image_bytes = sum(
-        _state_bytes(layer.get_state_shape(), layer.get_state_dtype()) for layer in layers
-    )
-    options = PluginOptions.from_additional_config(vllm_config.additional_config)
-    budget = _cache_budget(model, vllm_config)
-    max_seqs = vllm_config.scheduler_config.max_num_seqs
-    active, snapshot = size_state_pool(options, budget, image_bytes, max_seqs)
+    PluginOptions.from_additional_config(vllm_config.additional_config)  # validated early
     device = next(model.parameters()).device
-    pool = StatePool(active, snapshot, device)
+    pool = StatePool(device)
     why_not = _in_pass_unavailable(layers, device, vllm_config)
     pool.in_pass_taps = why_not is None
     for layer in layers:
@@ -158,15 +160,10 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
         layer.state_pool = pool
         pool.add_layer(layer.prefix, layer.get_state_shape(), layer.get_state_dtype())
     logger.info(
-        "hybrid-prefix state pool: %d active slots (max_num_seqs %d), %d snapshot slots, "
-        "%.2f MiB per state, %.2f GiB in all of a %.2f GiB cache budget, taps inside a "
-        "pass: %s",
-        active,
-        max_seqs,
-        snapshot,
-        image_bytes / 2**20,
-        pool.total_bytes / 2**30,
-        budget / 2**30,
+        "hybrid-prefix states: %d GDN layers, %.2f MiB per state, kept in rows of KV pages; "
+        "taps inside a pass: %s",
+        len(layers),
+        pool.image_bytes / 2**20,
         "yes" if why_not is None else f"no ({why_not}; taps split the prefill chunk)",
     )
     return pool
@@ -194,38 +191,6 @@ def _in_pass_unavailable(
     if not install_fla_hook():
         return "this vLLM's FLA kernel has no per-chunk states to take"
     return None
-
-
-def _state_bytes(shapes: Any, dtypes: Any) -> int:
-    return sum(
-        int(torch.Size(shape).numel()) * dtype.itemsize
-        for shape, dtype in zip(shapes, dtypes, strict=True)
-    )
-
-
-def _cache_budget(model: torch.nn.Module, vllm_config: Any) -> int:
-    """Bytes for caches on this device: --kv-cache-memory-bytes, else vLLM's utilization share
-    less the weights (allocated by now). The state pool's default shares are taken of this, so
-    they do not grow with a share of memory that the weights already hold."""
-    cache = vllm_config.cache_config
-    if cache.kv_cache_memory_bytes:
-        return int(cache.kv_cache_memory_bytes)
-    if torch.cuda.is_available():
-        total = torch.cuda.mem_get_info()[1]
-    else:
-        import psutil
-
-        total = psutil.virtual_memory().total
-    tensors = [*model.parameters(), *model.buffers()]
-    weights = sum(t.numel() * t.element_size() for t in tensors)
-    budget = int(total * cache.gpu_memory_utilization) - weights
-    if budget <= 0:
-        raise OptionError(
-            f"--gpu-memory-utilization {cache.gpu_memory_utilization}: "
-            f"{total * cache.gpu_memory_utilization / 2**30:.2f} GiB leaves nothing for caches "
-            f"beside {weights / 2**30:.2f} GiB of weights"
-        )
-    return budget
 
 
 class StatePoolModel:

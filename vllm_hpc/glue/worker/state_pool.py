@@ -1,27 +1,27 @@
-"""The device pool of Gated DeltaNet states: active slots and snapshot slots, per worker.
+"""The Gated DeltaNet states of one worker: views into vLLM's KV cache buffer (§5.4 as built).
 
 vLLM keeps a hybrid model's recurrent states in its unified KV block pool, one page per state,
 which forces the attention block up to the size of a state page (hundreds of tokens). The
-hybrid prefix cache keeps them here instead, in tensors of their own, so attention KV can stay
-in 64-token pages. Every GDN layer binds its `(conv, ssm)` views to this pool; a slot index is
-the same in every layer and on every tensor-parallel rank.
+hybrid prefix cache keeps attention KV in 64-token pages and puts each state in a *row* of
+consecutive pages of the same buffer (`vllm_hpc.glue.row_layout`): the scheduler's index decides
+at run time which rows hold states (running requests', snapshots') and which hold KV pages.
 
-Slots: 0 is scratch (vLLM pads unused block-table rows with block id 0), 1..C are the running
-requests' active states, C+1..C+D hold snapshot images.
-
-The pool is allocated when the model is built, before vLLM measures its memory, so vLLM counts
-it as model memory and sizes the KV cache from what is left: KV pages and state slots share
-one budget.
+Every GDN layer reads its `(conv, ssm)` tensors here: strided views, one element per row, with
+the row index the "block id" vLLM's GDN metadata hands the layer. Row 0 is scratch (vLLM pads
+unused block-table rows with block id 0). The views exist once vLLM has allocated the KV cache
+(`bind`, from the connector's `register_kv_caches`), before any pass that reads a state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from vllm_hpc.faults import InjectedFault, armed
+from vllm_hpc.glue.row_layout import RowLayout, aligned_state_bytes, plan_rows, spans_of
 from vllm_hpc.glue.worker.in_pass import StepCaptures
 from vllm_hpc.runtime.plan import StateCopy
 
@@ -31,14 +31,15 @@ class LayerRestore(Protocol):
 
 
 class StatePool:
-    """Per-layer `(conv, ssm)` tensors of 1 + C + D rows each."""
+    """Per-layer `(conv, ssm)` views over the state rows of vLLM's KV cache buffer."""
 
-    def __init__(self, active_slots: int, snapshot_slots: int, device: torch.device) -> None:
-        self.active_slots = active_slots
-        self.snapshot_slots = snapshot_slots
-        self.num_slots = 1 + active_slots + snapshot_slots
+    def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._specs: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
         self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._unbound: dict[str, tuple[torch.Tensor, ...]] = {}
+        """Stand-in scratch rows until `bind` (see `layer`)."""
+        self.layout: RowLayout | None = None
         self.restores: Sequence[LayerRestore] = ()
         """This step's host restores (set by the connector): a layer waits for its part."""
         self.in_pass_taps = False
@@ -54,29 +55,86 @@ class StatePool:
     def add_layer(
         self, name: str, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
     ) -> None:
-        """Allocate (zeroed) one layer's state tensors."""
-        if name in self._layers:
+        """Register one GDN layer's state tensors (their memory comes with `bind`)."""
+        if name in self._specs:
             raise ValueError(f"state pool already has layer {name}")
-        self._layers[name] = tuple(
-            torch.zeros((self.num_slots, *shape), dtype=dtype, device=self.device)
-            for shape, dtype in zip(shapes, dtypes, strict=True)
-        )
-
-    def layer(self, name: str) -> tuple[torch.Tensor, ...]:
-        return self._layers[name]
+        self._specs[name] = tuple(zip((tuple(s) for s in shapes), dtypes, strict=True))
 
     @property
     def layer_names(self) -> list[str]:
-        return list(self._layers)
+        return list(self._specs)
 
     @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot over all layers: the size of one snapshot image."""
-        return sum(t[0].numel() * t.element_size() for ts in self._layers.values() for t in ts)
+    def image_bytes(self) -> int:
+        """Bytes of one state over all layers: the size of one snapshot image."""
+        return sum(_nbytes(spec) for specs in self._specs.values() for spec in specs)
 
     @property
-    def total_bytes(self) -> int:
-        return self.slot_bytes * self.num_slots
+    def layer_state_bytes(self) -> int:
+        """Bytes one layer's state takes in a row (the largest layer's, aligned)."""
+        return max(
+            aligned_state_bytes([_nbytes(s) for s in specs]) for specs in self._specs.values()
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Rows: state indices 0..num_slots-1 are valid."""
+        assert self.layout is not None, "the state pool is not bound to the KV cache yet"
+        return self.layout.num_rows
+
+    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> RowLayout:
+        """Lay the states over the attention layers' pages (`register_kv_caches` hands over
+        vLLM's views) and zero the scratch row. Idempotent for the same buffer."""
+        from vllm_hpc.glue.worker.host_layout import forward_position
+
+        attention = [t for name, t in kv_caches.items() if name not in self._specs]
+        if not attention:
+            raise ValueError("no attention layer among the KV caches to put states in")
+        pages = [_page_geometry(t, num_blocks) for t in attention]
+        strides = {(stride, page) for _, stride, page in pages}
+        if len(strides) != 1:
+            raise ValueError(f"attention layers differ in page geometry: {sorted(strides)}")
+        ((block_stride, page_bytes),) = strides
+        spans = spans_of([base for base, _, _ in pages], block_stride, page_bytes)
+        names = sorted(self._specs, key=forward_position)
+        layout = plan_rows(spans, self.layer_state_bytes, len(names), num_blocks - 1)
+        storage = attention[0].untyped_storage()
+        for index, name in enumerate(names):
+            stride = layout.row_stride(layout.places[index].span)
+            offset = layout.address(index)
+            views = []
+            for shape, dtype in self._specs[name]:
+                views.append(_strided(storage, dtype, offset, layout.num_rows, stride, shape))
+                offset += aligned_state_bytes([_nbytes((shape, dtype))])
+            self._layers[name] = tuple(views)
+        self.layout = layout
+        self._unbound.clear()
+        for tensors in self._layers.values():
+            for tensor in tensors:
+                tensor[0].zero_()
+        return layout
+
+    def layer(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The layer's views. Before `bind` (vLLM profiles memory and may capture CUDA graphs
+        on a temporary KV cache first), one zeroed scratch row of each state: dummy passes use
+        state index 0 (`StateSlotGDNMetadataBuilder`)."""
+        views = self._layers.get(name) or self._unbound.get(name)
+        if views is None:
+            views = tuple(
+                torch.zeros((1, *shape), dtype=dtype, device=self.device)
+                for shape, dtype in self._specs[name]
+            )
+            self._unbound[name] = views
+        return views
+
+    def zero(self, rows: Sequence[int]) -> None:
+        """Zero the states of rows that held KV pages until now: a cold prefill reads parts of
+        its initial state (vLLM zeroes new Mamba blocks for the same reason), and KV bytes read
+        as float could be NaN."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        for tensors in self._layers.values():
+            for tensor in tensors:
+                tensor.index_fill_(0, index, 0)
 
     def copy(self, copies: Iterable[StateCopy]) -> None:
         """Apply slot-to-slot copies one after the other, in order (a later copy sees the
@@ -87,7 +145,45 @@ class StatePool:
         for copy in copies:
             for tensors in self._layers.values():
                 for tensor in tensors:
-                    if corrupt and copy.dst > self.active_slots:  # a snapshot slot
+                    if corrupt:
                         tensor[copy.dst].fill_(1.0)
                     else:
                         tensor[copy.dst].copy_(tensor[copy.src])
+
+
+def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
+    shape, dtype = spec
+    return math.prod(shape) * dtype.itemsize
+
+
+def _page_geometry(view: torch.Tensor, num_blocks: int) -> tuple[int, int, int]:
+    """(byte offset of block 0, block stride, page bytes) of an attention layer's view, whose
+    page must be one dense byte range (the layouts that keep [H, N, C] together)."""
+    if view.shape[0] != num_blocks:  # kernel blocks: regroup into the scheduler's blocks
+        view = view.unflatten(0, (num_blocks, -1))
+    item = view.element_size()
+    page = view[0]
+    extent = 1 + sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True))
+    if extent != page.numel():
+        raise ValueError(f"an attention page of shape {tuple(page.shape)} is not one byte range")
+    return view.storage_offset() * item, view.stride(0) * item, page.numel() * item
+
+
+def _strided(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    rows: int,
+    row_stride: int,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """A ``(rows, *shape)`` tensor at byte ``offset`` of ``storage``, rows ``row_stride`` apart."""
+    item = dtype.itemsize
+    if offset % item or row_stride % item:
+        raise ValueError(f"state offset {offset} / row stride {row_stride} not {dtype}-aligned")
+    inner = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        inner[d] = inner[d + 1] * shape[d + 1]
+    tensor = torch.empty(0, dtype=dtype, device=storage.device)
+    tensor.set_(storage, offset // item, (rows, *shape), (row_stride // item, *inner))
+    return tensor

@@ -1,0 +1,43 @@
+"""A `StatePool` bound to a buffer of its own, for tests of the host tier's data mover.
+
+In an engine the pool lays its rows over vLLM's KV cache buffer (`StatePool.bind`). The data
+mover's tests fill the KV pages and the states with random bytes separately, so they give the
+pool one fake attention layer over a buffer of its own, laid out as vLLM's CPU backend does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_hpc.glue.worker.state_pool import StatePool
+
+PAGE_BYTES = 4096
+
+
+def bound_pool(
+    device: torch.device,
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype],
+    rows: int,
+    seed: int = 100,
+) -> StatePool:
+    """A pool of ``rows`` rows (row 0 the scratch) for GDN layers ``names``, random bytes in
+    every state."""
+    pool = StatePool(device)
+    for name in names:
+        pool.add_layer(name, shapes, dtypes)
+    row_pages = -(-pool.layer_state_bytes * len(names) // PAGE_BYTES)
+    pages = 1 + rows * row_pages
+    raw = torch.zeros(pages * PAGE_BYTES, dtype=torch.int8, device=device)
+    view = torch.as_strided(raw, (pages, 1, 1, PAGE_BYTES), (PAGE_BYTES, PAGE_BYTES, PAGE_BYTES, 1))
+    layout = pool.bind({"model.layers.99.self_attn.attn": view}, pages)
+    assert layout.num_rows == rows
+    generator = torch.Generator().manual_seed(seed)
+    for name in names:
+        for tensor in pool.layer(name):
+            data = torch.randint(0, 256, tensor.view(torch.uint8).shape, generator=generator)
+            tensor.view(torch.uint8).copy_(data.to(device))
+    return pool

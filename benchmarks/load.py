@@ -1,0 +1,853 @@
+"""Load benchmark: hybrid-prefix against vLLM's built-in caching under serving load (issue #14).
+
+Each configuration (``native``: vLLM's prefix caching; ``hybrid-prefix``: the plugin) runs in its
+own `vllm.LLM` engine, one engine at a time, each shut down and released before the next, on
+vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every request is greedy with
+``ignore_eos``; token-id prompts are seeded, so both sides get the same token ids. Workloads:
+
+- ``burst``: N cold prompts (random token ids, distinct per request) of ``--burst-len`` tokens,
+  ``--burst-output`` tokens each, submitted in one `generate` call to an engine with
+  ``max_num_seqs`` M (``--burst N:M``, repeatable; a different M is another engine). Reported:
+  output tok/s (all output tokens / wall time), TTFT p50 / p95, the most requests running at
+  once (from vLLM's per-request timestamps), preemptions, and the KV capacity vLLM reports.
+- ``sessions``: S sessions sharing one ``--system-len`` system prompt, ``--turns`` turns each;
+  turn t of every session is submitted together; its prompt is the system prompt, the whole
+  history (earlier user messages and this side's own answers, echoed as token ids) and
+  ``--user-len`` new tokens. Reported per turn: hit rate (cached / prompt tokens), TTFT p50 / p95,
+  output tok/s. Sessions run in the engine of ``--max-num-seqs``, after its bursts.
+
+Targets (the report's last table): per burst, output tok/s >= 0.98x native and TTFT p50 / p95
+<= 1.0x; sessions: hit rate >= native on every turn and TTFT p50 <= 0.6x native on every turn
+after the first. TTFT is vLLM's own (`RequestOutput.metrics.first_token_latency`: from the
+request's arrival to the output step of its first token). Every engine first warms up on prompts
+of its own. The JSON and Markdown reports (``load.json``, ``load.md`` in ``--out``) are
+rewritten after every engine; ``--budget-s`` stops before an engine that would end later, and
+``--resume load.json`` runs what an earlier call left, keeping what it measured.
+
+CPU, tiny model (a few minutes):
+
+    .venv/bin/python benchmarks/load.py --cpu --out /tmp/load_cpu
+
+H200, 27B shape with dummy weights (after the staging calls; see README "Benchmark"):
+
+    source .gpu/env.sh && bash scripts/gpu_plugin.sh && \\
+    python3 benchmarks/load.py --model .gpu/model27b --out $OUT
+
+A fresh H200 takes ~4 minutes per engine start under vLLM's defaults, so the default budget
+(550 s) fits about one engine per call: copy the call's ``load.json`` to ``.gpu/load.json``,
+carry it, and add ``--resume .gpu/load.json`` to the next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    add_eager_option,
+    cpu_machine,
+    gpu_engine_kwargs,
+    random_prompt,
+    ratio,
+    revision,
+    source_digest,
+    table_head,
+    times,
+    vocab_size,
+)
+from gpu_speed import device_name, engine_facts, release_device
+
+from vllm_hpc.options import OPTION_SPECS
+
+T0 = time.monotonic()
+NATIVE, HYBRID = "native", "hybrid-prefix"
+CONFIGS = (NATIVE, HYBRID)
+WORKLOADS = ("burst", "sessions")
+PLUGIN_OPTIONS = tuple(s for s in OPTION_SPECS if s.key != "kv_cache_manager")
+"""The plugin's options, passed through to the hybrid-prefix engine's `additional_config`."""
+
+# Seed bases: the same prompts on both sides, no prompt shared between workloads.
+SEED_WARM = 9_000_000
+SEED_BURST = 1_000_000  # + 100_000 x the burst's position in --burst
+SEED_SYSTEM = 5_000_000
+SEED_USER = 6_000_000  # + 1_000 x session + turn
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "gpu": {
+        "burst_prompts": 256,
+        "burst_len": 1024,
+        "burst_output": 128,
+        "max_num_seqs": 256,
+        "sessions": 32,
+        "turns": 4,
+        "system_len": 4096,
+        "user_len": 256,
+        "session_output": 128,
+        "max_model_len": 32768,
+        "gpu_memory_utilization": 0.85,
+        "budget_s": 550.0,
+    },
+    "cpu": {
+        "burst_prompts": 16,
+        "burst_len": 128,
+        "burst_output": 16,
+        "max_num_seqs": 16,
+        "sessions": 4,
+        "turns": 3,
+        "system_len": 512,
+        "user_len": 64,
+        "session_output": 16,
+        "max_model_len": 8192,
+        "gpu_memory_utilization": 0.2,
+        "budget_s": 3600.0,
+    },
+}
+
+GOALS = {"tok_s": 0.98, "ttft_p50": 1.0, "ttft_p95": 1.0, "session_ttft_p50": 0.6}
+
+
+def log(msg: str) -> None:
+    print(f"[load {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), for short lists."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = q * (len(data) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def peak_running(records: list[dict[str, Any]]) -> int:
+    """The most requests between their first scheduling and their last token at once: under
+    load, a cache that runs fewer requests together shows here first."""
+    events = []
+    for r in records:
+        if r["scheduled_ts"] and r["last_token_ts"]:
+            events += [(r["scheduled_ts"], 1), (r["last_token_ts"], -1)]
+    running = peak = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def summarize_batch(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """One `generate` call's figures: throughput, TTFT quantiles, hits, concurrency."""
+    ttft = [r["ttft_s"] for r in records]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    output = sum(r["output_tokens"] for r in records)
+    return {
+        "requests": len(records),
+        "wall_s": wall_s,
+        "output_tokens": output,
+        "output_tok_s": output / wall_s,
+        "ttft_p50": quantile(ttft, 0.5),
+        "ttft_p95": quantile(ttft, 0.95),
+        "ttft_max": max(ttft),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "peak_running": peak_running(records),
+        "preemptions": sum(r["preemptions"] for r in records),
+        "queued_p50": quantile([r["queued_s"] for r in records], 0.5),
+    }
+
+
+# --- engines -------------------------------------------------------------------------------
+
+
+def plugin_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
+    """`additional_config` of one side: the plugin and its options given here, on its side."""
+    if config != HYBRID:
+        return {}
+    extra: dict[str, Any] = {"kv_cache_manager": "hybrid-prefix"}
+    for spec in PLUGIN_OPTIONS:
+        value = getattr(args, spec.key)
+        if value is not None:
+            extra[spec.key] = value
+    return extra
+
+
+def engine_kwargs(args: argparse.Namespace, config: str, max_num_seqs: int) -> dict[str, Any]:
+    """`vllm.LLM` arguments; only the cache settings differ between the sides. Stats on, since
+    TTFT comes from vLLM's per-request metrics."""
+    limits: dict[str, Any] = {
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": max_num_seqs,
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+    }
+    if args.max_num_batched_tokens:
+        limits["max_num_batched_tokens"] = args.max_num_batched_tokens
+    extra = plugin_config(args, config)
+    if args.cpu:
+        from vllm_hpc.tiny_model import llm_kwargs
+
+        return llm_kwargs(Path(args.model), additional_config=extra, **limits)
+    return gpu_engine_kwargs(args.model, args.eager, extra, args.load_format, **limits)
+
+
+def kv_facts(llm: Any) -> dict[str, Any]:
+    """The KV capacity vLLM reports for the engine: blocks x block size, and its own figures."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    blocks = cache.num_gpu_blocks or 0
+    return {
+        "num_gpu_blocks": blocks,
+        "block_size": cache.block_size,
+        "kv_capacity_tokens": blocks * cache.block_size,
+        "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
+        "kv_cache_max_concurrency": getattr(cache, "kv_cache_max_concurrency", None),
+    }
+
+
+def mode(facts: dict[str, Any], cpu: bool) -> str:
+    """How the engine ran its model: the report states it for each side."""
+    if facts.get("enforce_eager"):
+        return "eager (the tiny model's CPU settings)" if cpu else "eager (--eager)"
+    return f"vLLM's defaults (torch.compile, CUDA graphs {facts.get('cudagraph_mode')})"
+
+
+# --- workloads -----------------------------------------------------------------------------
+
+
+def request_record(out: Any) -> dict[str, Any]:
+    """What one finished request tells: sizes, cache hits, vLLM's timings."""
+    m = out.metrics
+    if m is None:
+        raise RuntimeError("RequestOutput.metrics is None: the engine runs without stats")
+    answer = list(out.outputs[0].token_ids)
+    return {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "cached_tokens": out.num_cached_tokens or 0,
+        "output_tokens": len(answer),
+        "ttft_s": m.first_token_latency,
+        "queued_s": max(0.0, m.scheduled_ts - m.queued_ts),
+        "scheduled_ts": m.scheduled_ts,
+        "last_token_ts": m.last_token_ts,
+        "preemptions": m.num_preemptions,
+        "answer": hashlib.sha1(json.dumps(answer).encode()).hexdigest()[:12],
+    }
+
+
+def run_batch(
+    llm: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Submit ``prompts`` together; the batch's figures and records, and the answers."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall_s = time.perf_counter() - start
+    records = [request_record(o) for o in outs]
+    result = {"summary": summarize_batch(records, wall_s), "records": records}
+    return result, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def warm_up(llm: Any, args: argparse.Namespace, vocab: int, max_num_seqs: int) -> None:
+    """Prompts of its own, a batch of burst-sized ones and one over a prefill chunk, so no
+    measured TTFT pays the first passes' kernel set-up."""
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    batch = [
+        random_prompt(SEED_WARM + i, args.burst_len, vocab) for i in range(min(16, max_num_seqs))
+    ]
+    run_batch(llm, batch, 4)
+    long_len = min(chunk + 64, args.max_model_len - 8)
+    run_batch(llm, [random_prompt(SEED_WARM + 999, long_len, vocab)], 2)
+
+
+def parse_burst(spec: str) -> tuple[int, int]:
+    """``N:MAXSEQS`` -> (N, MAXSEQS)."""
+    n, _, m = spec.partition(":")
+    return int(n), int(m)
+
+
+def burst(llm: Any, args: argparse.Namespace, vocab: int, spec: str) -> dict[str, Any]:
+    """N cold prompts, distinct per request, all submitted at once."""
+    n, _ = parse_burst(spec)
+    base = SEED_BURST + 100_000 * args.burst.index(spec)
+    prompts = [random_prompt(base + i, args.burst_len, vocab) for i in range(n)]
+    result, _ = run_batch(llm, prompts, args.burst_output)
+    s = result["summary"]
+    log(
+        f"  burst {spec}: {s['output_tok_s']:,.1f} out tok/s, TTFT p50 {s['ttft_p50']:.3f} s "
+        f"p95 {s['ttft_p95']:.3f} s, peak running {s['peak_running']}, cached {s['cached_tokens']}"
+    )
+    return result
+
+
+def sessions(llm: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """S sessions over one system prompt, turn by turn, each turn of all sessions together;
+    each next prompt echoes the whole history with this side's own answers."""
+    system = random_prompt(SEED_SYSTEM, args.system_len, vocab)
+    history = [list(system) for _ in range(args.sessions)]
+    turns = []
+    for t in range(args.turns):
+        prompts = [
+            h + random_prompt(SEED_USER + 1_000 * s + t, args.user_len, vocab)
+            for s, h in enumerate(history)
+        ]
+        result, answers = run_batch(llm, prompts, args.session_output)
+        history = [p + a for p, a in zip(prompts, answers, strict=True)]
+        turns.append(result)
+        s = result["summary"]
+        log(
+            f"  sessions turn {t + 1}: hit rate {s['hit_rate']:.1%}, TTFT p50 "
+            f"{s['ttft_p50']:.3f} s p95 {s['ttft_p95']:.3f} s, {s['output_tok_s']:,.1f} out tok/s"
+        )
+    return {"turns": turns}
+
+
+def bench_engine(
+    llm: Any, e: dict[str, Any], args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
+    """Warm up, then the engine's workloads in order (bursts, then sessions)."""
+    t = time.monotonic()
+    warm_up(llm, args, vocab, e["max_num_seqs"])
+    log(f"  warm-up {time.monotonic() - t:.1f} s")
+    results: dict[str, Any] = {}
+    for name in e["workloads"]:
+        if name == "sessions":
+            results[name] = sessions(llm, args, vocab)
+        else:
+            results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
+    return {"workloads": results, "bench_s": time.monotonic() - t}
+
+
+def run_engine(e: dict[str, Any], args: argparse.Namespace, vocab: int) -> None:
+    """Start engine ``e``, measure it, shut it down and release it, also when it fails."""
+    from vllm import LLM
+
+    e.update(started=now(), commit=revision(), sources=source_digest())
+    log(f"engine {e['index']} ({e['config']}, max_num_seqs {e['max_num_seqs']}): starting")
+    t = time.monotonic()
+    llm = LLM(**engine_kwargs(args, e["config"], e["max_num_seqs"]))
+    e["startup_s"] = time.monotonic() - t
+    e["facts"] = {**engine_facts(llm), **kv_facts(llm)}
+    e["mode"] = mode(e["facts"], args.cpu)
+    log(f"engine {e['index']} ready in {e['startup_s']:.0f} s; {e['facts']}")
+    e["load_avg_start"] = os.getloadavg()[0]  # other work on the machine skews the timings
+    try:
+        e["result"] = bench_engine(llm, e, args, vocab)
+        e["load_avg_end"] = os.getloadavg()[0]
+    finally:  # main() records a failure; the device is given back either way
+        t = time.monotonic()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        release_device(cuda=not args.cpu)
+        e.update(shutdown_s=time.monotonic() - t, finished=now())
+
+
+# --- plan, budget, resume ------------------------------------------------------------------
+
+
+def work_tokens(args: argparse.Namespace, workloads: list[str]) -> int:
+    """Prompt plus output tokens of an engine's workloads: the budget scales time by it."""
+    total = 0
+    for name in workloads:
+        if name == "sessions":
+            step = args.user_len + args.session_output
+            per = sum(args.system_len + t * step + step for t in range(args.turns))
+            total += args.sessions * per
+        else:
+            n, _ = parse_burst(name.removeprefix("burst "))
+            total += n * (args.burst_len + args.burst_output)
+    return total
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The engines: one per configuration and max_num_seqs, bursts of that max_num_seqs
+    first, the sessions in the engine of --max-num-seqs."""
+    groups: dict[int, list[str]] = {}
+    if "burst" in args.workloads:
+        for spec in args.burst:
+            groups.setdefault(parse_burst(spec)[1], []).append(f"burst {spec}")
+    if "sessions" in args.workloads:
+        groups.setdefault(args.max_num_seqs, []).append("sessions")
+    engines: list[dict[str, Any]] = []
+    for max_num_seqs, names in groups.items():
+        for config in args.configs:
+            engines.append(
+                {
+                    "index": len(engines) + 1,
+                    "config": config,
+                    "max_num_seqs": max_num_seqs,
+                    "workloads": names,
+                    "work_tokens": work_tokens(args, names),
+                }
+            )
+    return engines
+
+
+def over_budget(e: dict[str, Any], engines: list[dict[str, Any]], budget_s: float) -> str | None:
+    """Why engine ``e`` is not started, or None. The estimate: the slowest start-up seen plus
+    a margin, plus the measured time per work token of the engines like it (else of all)."""
+    done = [d for d in engines if "result" in d]
+    if not done:
+        return None
+    alike = [d for d in done if d["workloads"] == e["workloads"]] or done
+    per_token = max((d["result"]["bench_s"] + d["shutdown_s"]) / d["work_tokens"] for d in alike)
+    estimate = max(d["startup_s"] for d in done) + 20 + per_token * e["work_tokens"]
+    elapsed = time.monotonic() - T0
+    if elapsed + estimate <= budget_s:
+        return None
+    return f"not started: budget ({elapsed:.0f} + ~{estimate:.0f} s > {budget_s:.0f} s)"
+
+
+MEASUREMENT_ARGS = (
+    "model",
+    "cpu",
+    "eager",
+    "load_format",
+    "burst",
+    "burst_len",
+    "burst_output",
+    "sessions",
+    "turns",
+    "system_len",
+    "user_len",
+    "session_output",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    *(s.key for s in PLUGIN_OPTIONS),
+)
+"""What calls merged by --resume must share, or their engines measured different work."""
+
+
+def engine_key(e: dict[str, Any]) -> tuple[str, int, tuple[str, ...]]:
+    """What makes two calls' engines the same measurement, so --resume may keep one."""
+    return e["config"], e["max_num_seqs"], tuple(e["workloads"])
+
+
+def resumed(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """This call's report with the engines --resume's report measured kept, and both
+    calls' commands recorded."""
+    previous = json.loads(Path(args.resume).read_text())
+    differ = [k for k in MEASUREMENT_ARGS if previous["args"].get(k) != getattr(args, k, None)]
+    if differ:
+        raise SystemExit(f"--resume {args.resume}: other measurement arguments: {differ}")
+    measured = {engine_key(e): e for e in previous["engines"] if "result" in e}
+    report["engines"] = [
+        {**measured[engine_key(e)], "index": e["index"]} if engine_key(e) in measured else e
+        for e in report["engines"]
+    ]
+    commands = previous["meta"].get("commands", [previous["meta"]["command"]])
+    report["meta"]["commands"] = [*commands, report["meta"]["command"]]
+    report["meta"]["resumed"] = report["meta"]["started"]
+    report["meta"]["started"] = previous["meta"]["started"]
+    return report
+
+
+def new_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The report before any engine ran: what runs, where, and in which order."""
+    import torch
+    import vllm
+
+    return {
+        "meta": {
+            "command": shlex.join(["python", "benchmarks/load.py", *sys.argv[1:]]),
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": cpu_machine() if args.cpu else f"{device_name(False)} ({cpu_machine()})",
+            "host": platform.node(),
+            "commit": revision(),
+            "sources": source_digest(),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
+            "started": now(),
+        },
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "engines": plan(args),
+    }
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def side_results(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """config -> workload name -> result, from the engines that measured it."""
+    out: dict[str, dict[str, Any]] = {c: {} for c in CONFIGS}
+    for e in report["engines"]:
+        for name, result in e.get("result", {}).get("workloads", {}).items():
+            out[e["config"]][name] = result
+    return out
+
+
+def cell(value: float | None, fmt: str) -> str:
+    """A figure, or "-" where the side did not measure it."""
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else fmt.format(value)
+    )
+
+
+def ratio_cell(h: float | None, n: float | None) -> str:
+    return "-" if h is None or n is None else times(ratio(h, n))
+
+
+BURST_ROWS = (
+    ("output tok/s", "output_tok_s", "{:,.1f}"),
+    ("TTFT p50 (s)", "ttft_p50", "{:.3f}"),
+    ("TTFT p95 (s)", "ttft_p95", "{:.3f}"),
+    ("TTFT max (s)", "ttft_max", "{:.3f}"),
+    ("queued p50 (s)", "queued_p50", "{:.3f}"),
+    ("wall (s)", "wall_s", "{:.2f}"),
+    ("most requests running at once", "peak_running", "{:d}"),
+    ("preemptions", "preemptions", "{:d}"),
+    ("cached prompt tokens", "cached_tokens", "{:,d}"),
+)
+
+
+KV_ROWS = (
+    ("KV capacity, vLLM's figure (tokens)", "kv_cache_size_tokens", "{:,d}"),
+    ("KV blocks x block size (tokens)", "kv_capacity_tokens", "{:,d}"),
+    ("max concurrency at max_model_len, vLLM's figure", "kv_cache_max_concurrency", "{:,.1f}"),
+)
+"""The engine's KV capacity as vLLM reports it (`engine_facts` of the burst's engine)."""
+
+
+def burst_table(name: str, sides: dict[str, dict[str, Any]], kv: dict[str, Any]) -> list[str]:
+    """One burst: each figure for both sides and hybrid / native."""
+    got = {c: sides[c][name]["summary"] for c in CONFIGS if name in sides[c]}
+    lines = [f"### {name}", "", *table_head("metric | native | hybrid-prefix | hybrid / native")]
+    for label, key, fmt in BURST_ROWS:
+        n, h = (got.get(c, {}).get(key) for c in CONFIGS)
+        lines.append(f"| {label} | {cell(n, fmt)} | {cell(h, fmt)} | {ratio_cell(h, n)} |")
+    for label, key, fmt in KV_ROWS:
+        n, h = (kv.get(c, {}).get(key) for c in CONFIGS)
+        lines.append(f"| {label} | {cell(n, fmt)} | {cell(h, fmt)} | {ratio_cell(h, n)} |")
+    return [*lines, ""]
+
+
+def session_table(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """Per turn: hit rate, TTFT p50 / p95 and output tok/s, both sides and their ratio."""
+    runs = {c: sides[c]["sessions"]["turns"] for c in CONFIGS if "sessions" in sides[c]}
+    metrics = (
+        ("hit rate", "hit_rate", "{:.1%}"),
+        ("TTFT p50 s", "ttft_p50", "{:.3f}"),
+        ("TTFT p95 s", "ttft_p95", "{:.3f}"),
+        ("out tok/s", "output_tok_s", "{:,.1f}"),
+    )
+    head = " | ".join(f"{m} native | {m} hybrid | ratio" for m, _, _ in metrics)
+    lines = [*table_head(f"turn | prompt tokens | {head} | same answers")]
+    for t in range(max((len(v) for v in runs.values()), default=0)):
+        got = {c: runs[c][t] for c in runs if t < len(runs[c])}
+        cells = []
+        for _, key, fmt in metrics:
+            n, h = (got[c]["summary"][key] if c in got else None for c in CONFIGS)
+            cells += [cell(n, fmt), cell(h, fmt), ratio_cell(h, n)]
+        prompt = next(iter(got.values()))["summary"]["prompt_tokens"]
+        lines.append(f"| {t + 1} | {prompt:,} | {' | '.join(cells)} | {same_answers(got)} |")
+    return [*lines, ""]
+
+
+def same_answers(got: dict[str, dict[str, Any]]) -> str:
+    """How many of a turn's answers hybrid-prefix shares with native, by digest."""
+    if len(got) < 2:
+        return "-"
+    pairs = zip(got[NATIVE]["records"], got[HYBRID]["records"], strict=True)
+    same = sum(a["answer"] == b["answer"] for a, b in pairs)
+    return f"{same}/{len(got[NATIVE]['records'])}"
+
+
+BURST_TARGETS = (
+    ("output tok/s", "output_tok_s", ">= 0.98x native", GOALS["tok_s"], "{:,.1f}", True),
+    ("TTFT p50", "ttft_p50", "<= 1.0x native", GOALS["ttft_p50"], "{:.3f} s", False),
+    ("TTFT p95", "ttft_p95", "<= 1.0x native", GOALS["ttft_p95"], "{:.3f} s", False),
+)
+"""(label, summary key, goal, bound of hybrid / native, format, higher is better)."""
+
+
+def target_row(
+    target: str,
+    goal: str,
+    pair: tuple[float | None, float | None],
+    bound: float,
+    fmt: str,
+    higher: bool,
+) -> str:
+    """One target: the measured ratio with both figures (hybrid, native), met when the ratio
+    is on the goal's side of ``bound``."""
+    h, n = pair
+    if h is None or n is None:
+        return f"| {target} | {goal} | not measured | - |"
+    r = ratio(h, n)
+    met = r >= bound if higher else r <= bound
+    measured = f"{times(r)} ({fmt.format(h)} vs {fmt.format(n)})"
+    return f"| {target} | {goal} | {measured} | {'yes' if met else 'NO'} |"
+
+
+def burst_targets(sides: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    """Per burst: output tok/s, TTFT p50 and p95 against native."""
+    rows = []
+    for name in names:
+        n, h = (sides[c].get(name, {}).get("summary", {}) for c in CONFIGS)
+        for label, key, goal, bound, fmt, higher in BURST_TARGETS:
+            pair = (h.get(key), n.get(key))
+            rows.append(target_row(f"{name}: {label}", goal, pair, bound, fmt, higher))
+    return rows
+
+
+def session_targets(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """Hit rate on every turn; TTFT p50 on every turn after the first (each turn's own p50:
+    pooling turns would mix their distributions)."""
+    if not all("sessions" in sides[c] for c in CONFIGS):
+        return [
+            "| sessions | hit rate >= native; TTFT p50 after turn 1 <= 0.6x | not measured | - |"
+        ]
+    turns = {c: sides[c]["sessions"]["turns"] for c in CONFIGS}
+    pairs = list(zip(turns[NATIVE], turns[HYBRID], strict=False))
+    rows = []
+    for t, (n, h) in enumerate(pairs):
+        hn, hh = n["summary"]["hit_rate"], h["summary"]["hit_rate"]
+        met = "yes" if hh >= hn else "NO"
+        rows.append(
+            f"| sessions turn {t + 1}: hit rate | >= native | {hh:.1%} vs {hn:.1%} | {met} |"
+        )
+    goal, bound = "<= 0.6x native", GOALS["session_ttft_p50"]
+    for t, (n, h) in enumerate(pairs[1:], start=2):
+        pair = (h["summary"]["ttft_p50"], n["summary"]["ttft_p50"])
+        rows.append(
+            target_row(f"sessions turn {t}: TTFT p50", goal, pair, bound, "{:.3f} s", False)
+        )
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The whole report: header, a table per workload, the targets, the engines."""
+    sides = side_results(report)
+    bursts = [n for e in report["engines"] for n in e["workloads"] if n != "sessions"]
+    bursts = list(dict.fromkeys(bursts))
+    lines = [*header(report)]
+    if bursts:
+        lines += ["## burst", "", *burst_intro(report["args"])]
+    for name in bursts:
+        kv = {
+            e["config"]: e["facts"]
+            for e in report["engines"]
+            if e.get("facts") and name in e["workloads"]
+        }
+        lines += burst_table(name, sides, kv)
+    has_sessions = any("sessions" in e["workloads"] for e in report["engines"])
+    if has_sessions:
+        lines += ["## sessions", "", *session_intro(report["args"]), *session_table(sides)]
+    lines += ["## Targets", "", *table_head("target | goal | measured | met")]
+    lines += [*burst_targets(sides, bursts), *(session_targets(sides) if has_sessions else []), ""]
+    lines += engine_lines(report["engines"])
+    return "\n".join(lines) + "\n"
+
+
+def burst_intro(args: dict[str, Any]) -> list[str]:
+    return [
+        f"`burst N:M`: N cold prompts of {args['burst_len']:,} random tokens, distinct per "
+        f"request, {args['burst_output']} output tokens each, submitted together to an engine "
+        "with max_num_seqs M. Output tok/s: all output tokens / wall time of the burst; most "
+        "running at once: from vLLM's per-request scheduled and last-token timestamps.",
+        "",
+    ]
+
+
+def session_intro(args: dict[str, Any]) -> list[str]:
+    return [
+        f"{args['sessions']} sessions sharing a {args['system_len']:,}-token system prompt, "
+        f"{args['turns']} turns each, all sessions' turn t submitted together; each prompt is "
+        f"the system prompt + the history (user messages and this side's own answers) + "
+        f"{args['user_len']} new tokens; {args['session_output']} output tokens. Hit rate: "
+        "cached / prompt tokens of the turn; same answers: answers equal to native's.",
+        "",
+    ]
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    """Title, commands, machine, model and each side's mode and sources."""
+    meta, args = report["meta"], report["args"]
+    resumed_note = f", resumed {meta['resumed']}" if meta.get("resumed") else ""
+    weights = "tiny model, CPU" if args["cpu"] else f"{args['load_format']} weights"
+    lines = [
+        "# Load: hybrid-prefix against vLLM's built-in caching under serving load",
+        "",
+        *(f"- Command: `{c}`" for c in meta.get("commands", [meta["command"]])),
+        f"- Machine: {meta['device']}; vLLM {meta['vllm']}; torch "
+        f"{meta['torch']}; Python {meta['python']}",
+        f"- Started {meta['started']}{resumed_note}, finished {meta.get('finished', '(running)')}",
+        f"- Model: `{args['model']}` ({weights}), "
+        f"max_model_len {args['max_model_len']}, memory fraction {args['gpu_memory_utilization']}",
+        "- Greedy, ignore_eos, token-id prompts seeded alike on both sides; TTFT is vLLM's "
+        "(`RequestOutput.metrics.first_token_latency`: arrival to the first token's output)",
+        "",
+        *table_head(
+            "side | engine | max_num_seqs | mode | commit | vllm_hpc sources | start-up s "
+            "| KV capacity (blocks x size)"
+        ),
+    ]
+    for e in report["engines"]:
+        f = e.get("facts", {})
+        kv = f"{f['num_gpu_blocks']:,} x {f['block_size']}" if f else "-"
+        start = f"{e['startup_s']:.0f}" if "startup_s" in e else "-"
+        lines.append(
+            f"| {e['config']} | {e['index']} | {e['max_num_seqs']} | {e.get('mode', '-')} "
+            f"| {e.get('commit') or '-'} | {e.get('sources', '-')} | {start} | {kv} |"
+        )
+    return [*lines, ""]
+
+
+def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
+    """Engines not measured and why; the settings vLLM resolved for each."""
+    lines = ["## Engines", ""]
+    for e in engines:
+        state = e.get("error") or e.get("skipped") or ("measured" if "result" in e else "not run")
+        lines.append(
+            f"- {e['index']}. {e['config']}, max_num_seqs {e['max_num_seqs']}, "
+            f"{', '.join(e['workloads'])}: {state}"
+        )
+        if "load_avg_end" in e:
+            load = f"{e['load_avg_start']:.2f} / {e['load_avg_end']:.2f}"
+            lines.append(f"  - load average (1 min) before / after the workloads: {load}")
+        if e.get("facts"):
+            lines.append(f"  - settings: `{json.dumps(e['facts'])}`")
+    return lines
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    """Both reports, after every engine: a run cut short keeps what it measured."""
+    report["meta"]["total_s"] = time.monotonic() - T0
+    (out / "load.json").write_text(json.dumps(report, indent=1))
+    (out / "load.md").write_text(markdown(report))
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def burst_spec(text: str) -> str:
+    """argparse type of --burst: ``N:MAXSEQS``, both positive."""
+    try:
+        n, m = parse_burst(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N:MAXSEQS") from None
+    if n < 1 or m < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: N and MAXSEQS must be positive")
+    return f"{n}:{m}"
+
+
+def add_plugin_options(ap: argparse.ArgumentParser) -> None:
+    """The plugin's own flags, for the hybrid-prefix side (unset: the plugin's defaults)."""
+    group = ap.add_argument_group("hybrid-prefix options (passed in additional_config)")
+    for spec in PLUGIN_OPTIONS:
+        if spec.is_flag:
+            group.add_argument(spec.flag, dest=spec.key, action="store_true", default=None)
+        else:
+            group.add_argument(spec.flag, dest=spec.key, default=None, help="see the README")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options; sizes default to None so the profile (GPU or --cpu) fills them in."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="model directory (default with --cpu: the tiny model)")
+    ap.add_argument("--out", required=True, help="directory for load.json and load.md")
+    ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small defaults")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated sides")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="burst,sessions")
+    ap.add_argument("--burst", action="append", type=burst_spec, help="N:MAXSEQS, repeatable")
+    sizes = ap.add_argument_group("sizes (defaults: GPU profile; CPU profile with --cpu)")
+    for key, value in PROFILES["gpu"].items():
+        kind = float if isinstance(value, float) else int
+        cpu = PROFILES["cpu"][key]
+        sizes.add_argument("--" + key.replace("_", "-"), type=kind, help=f"{value}; CPU {cpu}")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
+    ap.add_argument("--load-format", default="dummy", help="GPU: dummy weights unless 'auto'")
+    add_eager_option(ap, scope="GPU: ")
+    ap.add_argument("--resume", type=Path, help="a load.json cut short: run what it did not")
+    add_plugin_options(ap)
+    return ap
+
+
+def parse_args() -> argparse.Namespace:
+    """The options with the profile's defaults, checked before any engine starts."""
+    ap = build_parser()
+    args = ap.parse_args()
+    for key, value in PROFILES["cpu" if args.cpu else "gpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.configs = args.configs.split(",")
+    args.workloads = args.workloads.split(",")
+    bad = sorted(set(args.configs) - set(CONFIGS)) + sorted(set(args.workloads) - set(WORKLOADS))
+    if bad:
+        ap.error(f"unknown configurations or workloads: {bad}")
+    args.burst = args.burst or [f"{args.burst_prompts}:{args.max_num_seqs}"]
+    if len(set(args.burst)) < len(args.burst):
+        ap.error("--burst: the same N:MAXSEQS twice")
+    longest = args.system_len + args.turns * (args.user_len + args.session_output)
+    if max(longest, args.burst_len + args.burst_output) > args.max_model_len:
+        ap.error(f"--max-model-len {args.max_model_len} is below the longest request")
+    if args.model is None:
+        if not args.cpu:
+            ap.error("--model is required without --cpu")
+        from vllm_hpc.tiny_model import tiny_model_path
+
+        args.model = str(tiny_model_path())
+    return args
+
+
+def main() -> None:
+    """Run the planned engines in order; a failed one is recorded and the next still runs."""
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"importing vLLM (args: {vars(args)})")
+    vocab = vocab_size(args.model)
+    report = new_report(args)
+    if args.resume:
+        report = resumed(report, args)
+    write(report, out)
+    failed = False
+    for i, e in enumerate(report["engines"]):
+        if "result" in e:  # measured by the call --resume continues
+            continue
+        skipped = over_budget(e, report["engines"], args.budget_s)
+        if skipped:
+            for later in report["engines"][i:]:
+                if "result" not in later:
+                    later["skipped"] = skipped
+            log(f"engine {e['index']} and later {skipped}; --resume {out / 'load.json'} runs them")
+            break
+        try:
+            run_engine(e, args, vocab)
+        except Exception as exc:  # recorded; the next side still runs
+            e["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"engine {e['index']} ({e['config']}) failed: {e['error']}")
+            failed = True
+        write(report, out)
+    report["meta"]["finished"] = now()
+    write(report, out)
+    print(markdown(report), flush=True)
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -118,6 +118,11 @@ class IndexMachine(RuleBasedStateMachine):
                 index.release_state_row(row, unused=True)
                 return
         admission = index.acquire(quote)
+        # The quote's promise: the sequence's own pages are there once its source is held.
+        frontier = admission.frontier
+        growth = index.allocate_pages(-(-n // BLOCK) - frontier // BLOCK)
+        assert growth is not None, "a READY quote found no room for the sequence's pages"
+        index.free_pages(growth)
         self.running.append(Running(admission.lease, tokens, admission.restore, row=row))
 
     @rule(

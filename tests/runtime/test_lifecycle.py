@@ -4,7 +4,7 @@ a later request is served and what the cache holds, with the audit after every r
 
 from __future__ import annotations
 
-from tests.runtime.driver import make_cache, prompt, run
+from tests.runtime.driver import ROW_PAGES, make_cache, prompt, run
 from vllm_hpc.index import BLOCK_TOKENS, MediaItem
 from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo
 from vllm_hpc.runtime.lane import Lane
@@ -100,3 +100,25 @@ def test_a_small_pool_evicts_the_oldest_entries_first() -> None:
         run(cache, tokens)
     assert run(cache, newest).frontier == 896
     assert run(cache, oldest).frontier == 0  # its pages went to the later prompts
+
+
+def test_an_admission_never_counts_its_own_source_row_as_room() -> None:
+    """The available count holds a row for every snapshot that may give way, the quote's own
+    source among them; admitting from it pins it, so the quote must not count its row."""
+    cache = make_cache(pages=40, active_slots=2, snapshot_slots=4)
+    first = prompt(300, seed=1)
+    run(cache, first, [5], request_id="first")
+    cache.new_step()
+    cache.take_plan()
+    cache.new_step()
+    store = cache.index.store
+    held = cache.index.allocate_pages(store.pages.num_free - ROW_PAGES)  # one free row left
+    assert held is not None
+    longer = first + prompt(60, seed=2)
+    lane = _admit(cache, "longer", longer)  # from the root or waiting: never a crash
+    if lane is not None:
+        cache.finish(lane, longer, 0)
+    cache.index.free_pages(held)
+    cache.new_step()
+    cache.take_plan()
+    cache.audit()

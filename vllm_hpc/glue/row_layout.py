@@ -79,7 +79,8 @@ def spans_of(bases: Sequence[int], block_stride: int, page_bytes: int) -> tuple[
     raise ValueError(
         f"KV cache layout with block stride {block_stride} and pages of {page_bytes} bytes at "
         f"{list(bases)[:4]}...: a run of blocks is not contiguous, so states cannot share it; "
-        "set VLLM_KV_CACHE_LAYOUT to a layer-compact layout (LBNHC or LBHNC)"
+        "set VLLM_KV_CACHE_LAYOUT to one that keeps a page's bytes together (LBNHC, LBHNC, "
+        "BLNHC or BLHNC)"
     )
 
 

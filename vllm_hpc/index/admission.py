@@ -71,7 +71,8 @@ class SourceOption:
     cow_pages: int
     """The sequence's private copy of a partial tail page."""
     own_evictable: int
-    """Device LRU entries this admission pins itself (its path and tail): not available."""
+    """Pages counted as available that this admission pins itself (its path's and tail's LRU
+    entries, its image's row): not available to it."""
     seconds: float
 
 
@@ -122,11 +123,17 @@ def lookup(tree: BlockTree, prompt: PreparedPrompt) -> MatchResult:
 
 
 def source_options(
-    match: MatchResult, lru: DeviceLRU, cost: CostModel, geometry: HostGeometry
+    match: MatchResult,
+    lru: DeviceLRU,
+    cost: CostModel,
+    geometry: HostGeometry,
+    row_pages: Callable[[Snapshot], int] = lambda snapshot: 0,
 ) -> list[SourceOption]:
     """[s*, s_dev, root] without repeats, in fallback order (§6.2, §6.3).
 
     Candidates whose path, image or tail another admission is still filling are skipped.
+    ``row_pages(s)``: pages the available count holds for snapshot s's row, which admitting
+    from s pins (`CacheStore.row_pages_given_way`).
     """
     n = match.prompt.num_tokens
     # Prefix counts over the path, as deep as the deepest candidate's anchor.
@@ -153,7 +160,7 @@ def source_options(
             host_bytes=host_bytes,
             restore_pages=host_before[blocks] + tail_on_host,
             cow_pages=1 if snapshot.tail else 0,
-            own_evictable=lru_before[blocks] + (snapshot in lru),
+            own_evictable=lru_before[blocks] + (snapshot in lru) + row_pages(snapshot),
             seconds=cost.restore_seconds(host_bytes) + cost.prefill_seconds(frontier, n - frontier),
         )
 

@@ -120,7 +120,9 @@ class PrefixIndex:
     def quote(self, match: MatchResult, growth_pages: GrowthPages) -> AdmissionQuote:
         """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only."""
         store = self.store
-        options = source_options(match, store.lru, store.value.cost, store.value.geometry)
+        options = source_options(
+            match, store.lru, store.value.cost, store.value.geometry, store.row_pages_given_way
+        )
         readiness, source, need = classify(
             options, growth_pages, store.available_pages, store.usable_pages
         )
@@ -288,9 +290,9 @@ class PrefixIndex:
         return store.take_state_row(protected, keep)
 
     def release_state_row(self, row: RowId, unused: bool = False) -> None:
-        """A running request's row goes back; an ``unused`` one (no copy touched it) at once."""
+        """A running request's row goes back (`CacheStore.release_state_row`)."""
         self.store.advance()
-        self.store.release_state_row(row, now=unused)
+        self.store.release_state_row(row, unused)
 
     def slot_row(self, slot: SlotId) -> RowId:
         """The row holding snapshot slot ``slot``'s image."""

@@ -336,6 +336,12 @@ class CacheStore:
         rows = self.slots.num_give_way(self.plan) if self.pages.num_rows else 0
         return self.pages.num_free + len(self.lru) + rows * self.pages.row_pages
 
+    def row_pages_given_way(self, snapshot: Snapshot) -> int:
+        """Pages `available_pages` counts for ``snapshot``'s row: an admission from it pins it."""
+        if not self.pages.num_rows or snapshot.slot is None or snapshot.restore_pins:
+            return 0
+        return self.pages.row_pages if snapshot.published_plan < self.plan else 0
+
     @property
     def usable_pages(self) -> int:
         """Pages one request could ever use: all but the scratch row."""
@@ -397,7 +403,7 @@ class CacheStore:
 
         Where states share the page space, a free slot needs a row: one that loses nothing
         (all free, or cached pages with host copies) comes first, then an owner's slot by
-        §9.2, then a row of cached pages without host copies (fewest first)."""
+        §9.2, then the row of cached pages the device LRU would empty first."""
         choice = self.slots.choose(new_priority)
         row: RowId | None = None
         if choice is not None and choice.rule is SlotRule.FREE and self.pages.num_rows:
@@ -468,11 +474,14 @@ class CacheStore:
             return 0
         return 1 + len(self.active_rows) + len(self.slot_rows) + len(self.quarantine)
 
-    def release_state_row(self, row: RowId, now: bool = False) -> None:
+    def release_state_row(self, row: RowId, unused: bool = False) -> None:
         """A running request's state is no longer needed; its row returns to KV after the plan
-        being built (whose copies may read it, as the request's last capture does)."""
+        being built (whose copies may read it, as the request's last capture does). An
+        ``unused`` row taken from KV pages in this plan returns at once; one taken over from a
+        state (a quarantined or a snapshot's row) may still be read or written by this plan's
+        copies, so it waits too."""
         self.active_rows.remove(row)
-        self.give_back_row(row, now)
+        self.give_back_row(row, now=unused and row in self.fresh_rows)
 
     def give_back_row(self, row: RowId, now: bool) -> None:
         if now:

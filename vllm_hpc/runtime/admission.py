@@ -73,7 +73,8 @@ class Admission:
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
                 f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
-                f"{BLOCK_TOKENS} tokens; the device pool has {self.config.index.device_pages}"
+                f"{BLOCK_TOKENS} tokens and a state row of {self.index.row_pages}; the device "
+                f"pool has {self.index.store.usable_pages} beside its scratch row"
             )
         frontier = quote.source.frontier if quote.source is not None else 0
         # A breakpoint at 1 would save one token and end a one-token first chunk, which vLLM's

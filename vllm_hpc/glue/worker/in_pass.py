@@ -41,14 +41,21 @@ class StepCaptures:
 
     @classmethod
     def build(cls, captures: Sequence[InPassCapture], device: torch.device) -> StepCaptures:
-        def column(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
         return cls(
-            column([c.slot for c in captures]),
-            column([c.offset for c in captures]),
-            column([c.dst for c in captures]),
+            device_index([c.slot for c in captures], device),
+            device_index([c.offset for c in captures], device),
+            device_index([c.dst for c in captures], device),
         )
+
+
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device`` without a host sync: a copy from pageable memory
+    waits for the stream, so under async scheduling the worker would stall on the step before;
+    from pinned memory it is queued like a kernel."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

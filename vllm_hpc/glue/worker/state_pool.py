@@ -22,7 +22,7 @@ import torch
 
 from vllm_hpc.faults import InjectedFault, armed
 from vllm_hpc.glue.row_layout import RowLayout, aligned_state_bytes, plan_rows, spans_of
-from vllm_hpc.glue.worker.in_pass import StepCaptures
+from vllm_hpc.glue.worker.in_pass import StepCaptures, device_index
 from vllm_hpc.runtime.plan import StateCopy
 
 
@@ -131,7 +131,7 @@ class StatePool:
         """Zero the states of rows that held KV pages until now: a cold prefill reads parts of
         its initial state (vLLM zeroes new Mamba blocks for the same reason), and KV bytes read
         as float could be NaN."""
-        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        index = device_index(rows, self.device)
         for tensors in self._layers.values():
             for tensor in tensors:
                 tensor.index_fill_(0, index, 0)

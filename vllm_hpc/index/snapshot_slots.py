@@ -94,12 +94,7 @@ class DeviceSnapshotSlots:
         Pinned owners stay. With ``plan`` (the step plan being built), owners published in that
         plan stay too: their capture copy may still write the slot's row."""
         owners = [
-            s
-            for s in self._owners
-            if s is not None
-            and s is not exclude
-            and s.restore_pins == 0
-            and (plan is None or s.published_plan < plan)
+            s for s in self._owners if s is not None and s is not exclude and may_give_way(s, plan)
         ]
         if not owners:
             return None
@@ -107,11 +102,7 @@ class DeviceSnapshotSlots:
 
     def num_give_way(self, plan: int) -> int:
         """How many owners `give_way(plan)` could hand over, one after the other."""
-        return sum(
-            1
-            for s in self._owners
-            if s is not None and s.restore_pins == 0 and s.published_plan < plan
-        )
+        return sum(1 for s in self._owners if s is not None and may_give_way(s, plan))
 
     @staticmethod
     def _choice(victim: Snapshot, rule: SlotRule) -> SlotChoice:
@@ -132,6 +123,12 @@ class DeviceSnapshotSlots:
         self._staging.discard(slot)
         self._owners[slot] = None
         self._free.append(slot)
+
+
+def may_give_way(s: Snapshot, plan: int | None) -> bool:
+    """Whether an owner's slot may go (`DeviceSnapshotSlots.give_way`): unpinned, and with
+    ``plan``, published before the plan being built."""
+    return s.restore_pins == 0 and (plan is None or s.published_plan < plan)
 
 
 def _give_way_order(s: Snapshot) -> tuple[int, float, int]:

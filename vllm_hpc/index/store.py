@@ -15,7 +15,7 @@ from vllm_hpc.index.gdsf import GdsfValuation
 from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
 from vllm_hpc.index.host_pool import HostSlabPool
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule
+from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule, may_give_way
 from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
 from vllm_hpc.index.state_rows import choose_kv_row
 from vllm_hpc.index.stats import CacheStats
@@ -338,9 +338,9 @@ class CacheStore:
 
     def row_pages_given_way(self, snapshot: Snapshot) -> int:
         """Pages `available_pages` counts for ``snapshot``'s row: an admission from it pins it."""
-        if not self.pages.num_rows or snapshot.slot is None or snapshot.restore_pins:
+        if not self.pages.num_rows or snapshot.slot is None:
             return 0
-        return self.pages.row_pages if snapshot.published_plan < self.plan else 0
+        return self.pages.row_pages if may_give_way(snapshot, self.plan) else 0
 
     @property
     def usable_pages(self) -> int:
@@ -350,6 +350,8 @@ class CacheStore:
     def make_device_room(self, count: int) -> bool:
         """Evict until ``count`` pages are free, or return False at once: the device LRU first,
         then snapshots' rows (`DeviceSnapshotSlots.give_way`). Exact (`available_pages`)."""
+        if self.pages.num_free >= count:  # the common case: no count of what could go
+            return True
         if self.available_pages < count:
             return False
         while self.pages.num_free < count:
@@ -357,7 +359,6 @@ class CacheStore:
             if entry is None:
                 victim = self.slots.give_way(self.plan)
                 assert victim is not None, "available_pages counted a row that cannot go"
-                self.stats.slot_evictions += 1
                 self._drop_image(victim)
                 continue
             self._evict(entry)
@@ -447,8 +448,8 @@ class CacheStore:
     def take_state_row(self, protected: frozenset[PageId], keep: Snapshot | None) -> RowId | None:
         """A row for a running request's state (§9.5: active requests win), or None when every
         row holds something in use. Nothing is lost first (a free row, or cached pages with
-        host copies), then a snapshot slot that is superseded or host-backed, then cached pages
-        without host copies (fewest first), then a device-only snapshot (`give_way`).
+        host copies), then a snapshot slot that is superseded or host-backed, then the row of
+        cached pages the device LRU would empty first, then a device-only snapshot (`give_way`).
         ``protected`` pages and ``keep`` (the admission's own source) stay."""
         row = self._take_quarantined()
         if row is None:
@@ -520,12 +521,13 @@ class CacheStore:
         """Take the victim's row over directly (copies into it stay ordered in the plan)."""
         assert victim.slot is not None
         row = self.slot_rows.pop(victim.slot)
-        self.stats.slot_evictions += 1
         self._drop_image(victim)
         return row
 
     def _drop_image(self, victim: Snapshot) -> None:
-        """The victim loses its device image (and, device-only, everything)."""
+        """The victim gives its slot up and loses its device image (and, device-only,
+        everything)."""
+        self.stats.slot_evictions += 1
         if victim.image_host is Residency.RESIDENT:
             self.drop_snapshot_image_device(victim)
         else:

@@ -262,7 +262,7 @@ class Admission:
         blocks = [PageSlab(copy.page, copy.slab) for copy in restore.blocks]
         image = None
         if restore.image_slot is not None:
-            source = self.pipeline.snapshot_pool_slot(restore.image_slot)
+            source = self.index.slot_row(restore.image_slot)
             self.pipeline.plan.state_copies.append(StateCopy(source, slot))
         else:
             image = ImageCopy(slot, restore.image_slabs)

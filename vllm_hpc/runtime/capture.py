@@ -135,7 +135,7 @@ class Captures:
                     return
                 tail_page = tail[0]
                 page_copy = PageCopy(source, tail_page)
-        dst = self.pipeline.snapshot_pool_slot(slot)
+        dst = self.index.slot_row(slot)
         copy: StateCopy | InPassCapture = (
             StateCopy(lane.slot, dst)
             if in_pass_offset is None

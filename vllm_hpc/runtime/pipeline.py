@@ -23,7 +23,6 @@ from vllm_hpc.index import (
     Prefetch,
     PrefixIndex,
     Restore,
-    SlotId,
     SnapshotWrite,
 )
 from vllm_hpc.runtime.lane import Capture, Lane
@@ -60,10 +59,6 @@ class StepPipeline:
         """Write-through planned for the plan being built."""
         self._writing: dict[int, list[WriteRecord]] = {}
         """Handed-out write batches the workers have not reported done, by batch number."""
-
-    def snapshot_pool_slot(self, slot: SlotId) -> int:
-        """Workers' state row of index snapshot slot ``slot``."""
-        return self.index.slot_row(slot)
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -105,7 +100,7 @@ class StepPipeline:
             if isinstance(record, BlockWrite):
                 blocks.extend(PageSlab(copy.page, copy.slab) for copy in record.copies)
                 continue
-            images.append(ImageCopy(self.snapshot_pool_slot(record.slot), record.image_slabs))
+            images.append(ImageCopy(self.index.slot_row(record.slot), record.image_slabs))
             if record.tail_page is not None and record.tail_slab is not None:
                 blocks.append(PageSlab(record.tail_page, record.tail_slab))
         self.host.write_bytes += len(blocks) * self.geometry.block_bytes

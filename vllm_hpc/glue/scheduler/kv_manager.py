@@ -114,18 +114,17 @@ class HybridPrefixKVCacheManager:
         self._prompt_keys: dict[str, PromptKeys] = {}
         """Each request's hints and keys, computed once (they scan the prompt and hash its
         embeddings) and dropped in `free`."""
-        pages = kv_cache_config.num_blocks - 1
         logger.info(
             "hybrid-prefix cache: %d device pages of 64 tokens (%.1f KiB each) shared at run "
             "time by KV and states: a state (%.2f MiB) takes a row of %d pages, %d rows, row 0 "
             "scratch; up to %d running requests, up to %d device snapshots; taps per request "
             "%d, ladder %d, min gap %d, flexible taps every %d tokens: %s, taps inside a pass: "
             "%s, host tier: %s%s",
-            pages,
+            config.index.device_pages,
             page_bytes / 1024,
             state_spec.image_bytes / 2**20,
             rows.row_pages,
-            pages // rows.row_pages,
+            rows.num_rows,
             config.active_cap,
             config.index.snapshot_slots,
             config.tap_policy.max_new_taps,

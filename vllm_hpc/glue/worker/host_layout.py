@@ -110,15 +110,22 @@ def forward_position(name: str) -> int:
     raise ValueError(f"no layer index in layer name {name!r}")
 
 
+def as_units(tensor: torch.Tensor, units: int) -> torch.Tensor:
+    """``tensor`` with ``units`` (pages or slots) as its first dimension: vLLM splits a page
+    into equal kernel blocks when the backend asks for smaller ones."""
+    if tensor.shape[0] == units:
+        return tensor
+    if tensor.shape[0] % units:
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} is not {units} pages")
+    return tensor.unflatten(0, (units, -1))
+
+
 def _planes(tensor: torch.Tensor, units: int, record_offset: int) -> list[Plane]:
     """Split one unit (``tensor[i]``, a page or a slot) into its contiguous byte ranges.
 
     A view whose first dimension counts kernel blocks (vLLM splits a page into equal kernel
     blocks when the backend asks for smaller ones) is regrouped into ``units`` pages first."""
-    if tensor.shape[0] != units:
-        if tensor.shape[0] % units:
-            raise ValueError(f"tensor of shape {tuple(tensor.shape)} is not {units} pages")
-        tensor = tensor.unflatten(0, (units, -1))
+    tensor = as_units(tensor, units)
     item = tensor.element_size()
     dims = sorted(
         ((tensor.stride(d) * item, tensor.shape[d]) for d in range(1, tensor.dim())),

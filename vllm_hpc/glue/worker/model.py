@@ -37,7 +37,6 @@ from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
 from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
-from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -150,7 +149,6 @@ def _gdn_layers(model: torch.nn.Module) -> list[QwenGatedDeltaNetAttention]:
 def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     """Adopt the GDN layers into one pool; its memory comes from the KV cache (`bind`)."""
     layers = _gdn_layers(model)
-    PluginOptions.from_additional_config(vllm_config.additional_config)  # validated early
     device = next(model.parameters()).device
     pool = StatePool(device)
     why_not = _in_pass_unavailable(layers, device, vllm_config)

@@ -85,12 +85,12 @@ class StatePool:
     def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> RowLayout:
         """Lay the states over the attention layers' pages (`register_kv_caches` hands over
         vLLM's views) and zero the scratch row. Idempotent for the same buffer."""
-        from vllm_hpc.glue.worker.host_layout import forward_position
+        from vllm_hpc.glue.worker.host_layout import as_units, forward_position
 
         attention = [t for name, t in kv_caches.items() if name not in self._specs]
         if not attention:
             raise ValueError("no attention layer among the KV caches to put states in")
-        pages = [_page_geometry(t, num_blocks) for t in attention]
+        pages = [_page_geometry(as_units(t, num_blocks)) for t in attention]
         strides = {(stride, page) for _, stride, page in pages}
         if len(strides) != 1:
             raise ValueError(f"attention layers differ in page geometry: {sorted(strides)}")
@@ -156,11 +156,10 @@ def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _page_geometry(view: torch.Tensor, num_blocks: int) -> tuple[int, int, int]:
-    """(byte offset of block 0, block stride, page bytes) of an attention layer's view, whose
-    page must be one dense byte range (the layouts that keep [H, N, C] together)."""
-    if view.shape[0] != num_blocks:  # kernel blocks: regroup into the scheduler's blocks
-        view = view.unflatten(0, (num_blocks, -1))
+def _page_geometry(view: torch.Tensor) -> tuple[int, int, int]:
+    """(byte offset of block 0, block stride, page bytes) of an attention layer's view, one
+    page per element of its first dimension, whose page must be one dense byte range (the
+    layouts that keep [H, N, C] together)."""
     item = view.element_size()
     page = view[0]
     extent = 1 + sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True))

@@ -15,6 +15,11 @@ vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every reques
   history (earlier user messages and this side's own answers, echoed as token ids) and
   ``--user-len`` new tokens. Reported per turn: hit rate (cached / prompt tokens), TTFT p50 / p95,
   output tok/s. Sessions run in the engine of ``--max-num-seqs``, after its bursts.
+- ``--profile-steps K`` (off by default): after an engine's workloads, the first burst's prompts
+  again, stepped by hand; once every request decodes, K decode steps are timed, then K more run
+  under vLLM's torch profiler. Reported: the mean decode step (ms, unprofiled) and vLLM's kernel
+  table (``profile_<config>_<max_num_seqs>.txt`` in ``--out``), so a gap in the burst can be
+  traced to its kernels.
 
 Targets (the report's last table): per burst, output tok/s >= 0.98x native and TTFT p50 / p95
 <= 1.0x; sessions: hit rate >= native on every turn and TTFT p50 <= 0.6x native on every turn
@@ -81,6 +86,7 @@ SEED_WARM = 9_000_000
 SEED_BURST = 1_000_000  # + 100_000 x the burst's position in --burst
 SEED_SYSTEM = 5_000_000
 SEED_USER = 6_000_000  # + 1_000 x session + turn
+SEED_PROFILE = 7_000_000
 
 PROFILES: dict[str, dict[str, Any]] = {
     "gpu": {
@@ -202,6 +208,12 @@ def engine_kwargs(args: argparse.Namespace, config: str, max_num_seqs: int) -> d
     }
     if args.max_num_batched_tokens:
         limits["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.profile_steps:
+        limits["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": str(profile_dir(config, max_num_seqs)),
+            "torch_profiler_with_stack": False,
+        }
     extra = plugin_config(args, config)
     if args.cpu:
         from vllm_hpc.tiny_model import llm_kwargs
@@ -321,8 +333,52 @@ def sessions(llm: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     return {"turns": turns}
 
 
+def profile_dir(config: str, max_num_seqs: int) -> Path:
+    """Where vLLM's profiler writes an engine's trace (large; only its table is kept)."""
+    return Path("/tmp/vllm_hpc_load_profile") / f"{config}_{max_num_seqs}"
+
+
+def decode_profile(
+    llm: Any, args: argparse.Namespace, vocab: int, e: dict[str, Any], out: Path
+) -> dict[str, Any]:
+    """The first burst's size of cold prompts, stepped by hand until every request decodes;
+    then K timed decode steps and K under the profiler. The rest is aborted."""
+    from vllm import SamplingParams
+
+    n = parse_burst(args.burst[0])[0]
+    k = args.profile_steps
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=args.burst_output, temperature=0.0, ignore_eos=True)
+    ids = [f"profile-{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        prompt = random_prompt(SEED_PROFILE + i, args.burst_len, vocab)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    decoding: set[str] = set()
+    while len(decoding) < n:
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    for _ in range(3):  # the steps already in flight when the last prefill finished
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(k):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / k * 1000
+    llm.start_profile()
+    for _ in range(k):
+        engine.step()
+    llm.stop_profile()
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    tables = sorted(profile_dir(e["config"], e["max_num_seqs"]).glob("*profiler_out*.txt"))
+    table = tables[0].read_text() if tables else "(vLLM wrote no profiler table)"
+    name = f"profile_{e['config']}_{e['max_num_seqs']}.txt"
+    (out / name).write_text(f"decode step {step_ms:.2f} ms at {n} requests\n\n{table}")
+    log(f"  decode profile: {step_ms:.2f} ms per step at {n} requests; table in {name}")
+    return {"requests": n, "steps": k, "decode_step_ms": step_ms, "table": name}
+
+
 def bench_engine(
-    llm: Any, e: dict[str, Any], args: argparse.Namespace, vocab: int
+    llm: Any, e: dict[str, Any], args: argparse.Namespace, vocab: int, out: Path
 ) -> dict[str, Any]:
     """Warm up, then the engine's workloads in order (bursts, then sessions)."""
     t = time.monotonic()
@@ -334,10 +390,13 @@ def bench_engine(
             results[name] = sessions(llm, args, vocab)
         else:
             results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
-    return {"workloads": results, "bench_s": time.monotonic() - t}
+    measured = {"workloads": results, "bench_s": time.monotonic() - t}
+    if args.profile_steps and e["max_num_seqs"] == parse_burst(args.burst[0])[1]:
+        measured["profile"] = decode_profile(llm, args, vocab, e, out)
+    return measured
 
 
-def run_engine(e: dict[str, Any], args: argparse.Namespace, vocab: int) -> None:
+def run_engine(e: dict[str, Any], args: argparse.Namespace, vocab: int, out: Path) -> None:
     """Start engine ``e``, measure it, shut it down and release it, also when it fails."""
     from vllm import LLM
 
@@ -351,7 +410,7 @@ def run_engine(e: dict[str, Any], args: argparse.Namespace, vocab: int) -> None:
     log(f"engine {e['index']} ready in {e['startup_s']:.0f} s; {e['facts']}")
     e["load_avg_start"] = os.getloadavg()[0]  # other work on the machine skews the timings
     try:
-        e["result"] = bench_engine(llm, e, args, vocab)
+        e["result"] = bench_engine(llm, e, args, vocab, out)
         e["load_avg_end"] = os.getloadavg()[0]
     finally:  # main() records a failure; the device is given back either way
         t = time.monotonic()
@@ -782,6 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-format", default="dummy", help="GPU: dummy weights unless 'auto'")
     add_eager_option(ap, scope="GPU: ")
     ap.add_argument("--resume", type=Path, help="a load.json cut short: run what it did not")
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, help="decode steps to time and profile (0: off)"
+    )
     add_plugin_options(ap)
     return ap
 
@@ -836,7 +898,7 @@ def main() -> None:
             log(f"engine {e['index']} and later {skipped}; --resume {out / 'load.json'} runs them")
             break
         try:
-            run_engine(e, args, vocab)
+            run_engine(e, args, vocab, out)
         except Exception as exc:  # recorded; the next side still runs
             e["error"] = f"{type(exc).__name__}: {exc}"
             log(f"engine {e['index']} ({e['config']}) failed: {e['error']}")

@@ -80,9 +80,11 @@ def run(
     media: tuple[MediaItem, ...] = (),
     salt: str | None = None,
     budget: int = CHUNK,
+    in_flight: int = 0,
 ) -> Run:
     """Prefill ``tokens`` in chunks of at most ``budget`` tokens, decode ``answer`` one token a
-    step, finish, and audit."""
+    step, finish, and audit. ``in_flight`` more decode steps are scheduled before the finish
+    and never report a token, as when async scheduling aborts a request with steps in flight."""
     all_tokens = list(tokens)
     n = len(all_tokens)
 
@@ -113,6 +115,12 @@ def run(
         cache.commit(lane, all_tokens, start)
         cache.new_step()
     assert lane is not None
+    for _ in range(in_flight):
+        assert cache.grow(lane, start + 1) is not None, "no room to grow"
+        cache.on_scheduled(lane, all_tokens, start, start + 1)
+        result.plans.append(cache.take_plan())
+        start += 1
+        cache.new_step()
     cache.finish(lane, all_tokens, start)
     cache.new_step()
     cache.take_plan()

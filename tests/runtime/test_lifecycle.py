@@ -122,3 +122,17 @@ def test_an_admission_never_counts_its_own_source_row_as_room() -> None:
     cache.new_step()
     cache.take_plan()
     cache.audit()
+
+
+def test_a_request_ended_with_steps_in_flight_keeps_only_what_its_tokens_name() -> None:
+    """Async scheduling: a second step in flight computes a position whose token the scheduler
+    never saw. No endpoint is taken there (its state would cover that token); one step in
+    flight computes only known tokens, and its endpoint stands."""
+    tokens, answer = prompt(300, seed=21), prompt(100, seed=22)
+    known = [*tokens, *answer]
+    for in_flight, resumed_at_end in ((1, True), (2, False)):
+        cache = make_cache()
+        run(cache, tokens, answer, in_flight=in_flight)
+        after = run(cache, [*known, *prompt(40, seed=23)], request_id="next")
+        assert (after.frontier == len(known)) is resumed_at_end
+        assert after.frontier <= len(known)

@@ -193,15 +193,21 @@ class Captures:
 
     def finish(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
-        commit its blocks, capture its endpoint (§7.7) and release it."""
+        commit its blocks, capture its endpoint (§7.7) and release it.
+
+        Under async scheduling an abort or a preemption can land while two steps are in flight:
+        then positions ``len(token_ids)`` and later are computed by a step whose input token the
+        scheduler has not seen yet. Only the known blocks are committed, and no endpoint is
+        taken: the row's state will include tokens no key can name."""
         self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)
             return
         for capture in [c for c in lane.captures if c.frontier > num_computed]:
             self._drop(lane, capture)  # a chunk that was planned but never ran (preemption)
-        self.commit(lane, token_ids, num_computed)
-        if num_computed - lane.newest_frontier >= BLOCK_TOKENS:
+        known = min(num_computed, len(token_ids))
+        self.commit(lane, token_ids, known)
+        if known == num_computed and num_computed - lane.newest_frontier >= BLOCK_TOKENS:
             self._capture(lane, token_ids, num_computed, SnapshotKind.ENDPOINT, after_step=False)
         self._publish_ready(lane)
         if lane.captures:

@@ -101,7 +101,10 @@ class SnapshotTable:
         assert self.find(anchor, snapshot.tail) is None, "duplicate snapshot"
         ancestor = self.nearest_above(anchor, snapshot.tail)
         pool = self.top if ancestor is None else ancestor.dependents
-        for dependent in [d for d in pool if snapshot.covers(d)]:
+        # Only snapshots anchored in the anchor's subtree can lie below; most new snapshots
+        # (a finished request's endpoint) have none there, and the pool can be large.
+        below = [d for d in pool if snapshot.covers(d)] if anchor.live_snapshots_below else []
+        for dependent in below:
             pool.discard(dependent)
             dependent.ancestor = snapshot
             snapshot.dependents.add(dependent)

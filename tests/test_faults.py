@@ -1,6 +1,6 @@
 """Injected faults on the real engine (`vllm_hpc.faults`; in-process engines, so the worker sees
-the armed points): a host tier that cannot be allocated, and host copies and device state copies
-that fail in a worker.
+the armed points): a host tier that cannot be allocated, host copies and device state copies
+that fail in a worker, and host copies that stay in flight for several steps.
 vLLM makes a worker's error engine-wide: the engine must stop with one message that says what
 failed, and an engine started afterwards must serve from a clean cache."""
 
@@ -11,13 +11,17 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    RESUME_PATHS,
     SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
+    cache_of,
     cold_reference,
     greedy,
+    greedy_params,
     random_prompt,
     running_llm,
     settle_and_audit,
+    small_pool_llm,
 )
 
 from vllm_hpc import faults
@@ -85,4 +89,52 @@ def test_a_failed_copy_stops_the_engine_saying_so_and_a_restart_serves(
         out = greedy(llm, [prompt], 8)[0]
         assert out.num_cached_tokens == 0  # a new engine: nothing from the failed one
         assert_same_up_to_near_tie(out, cold, prompt, 8)
+        settle_and_audit(llm)
+
+
+def _steps(llm: Any, count: int) -> None:
+    """Engine steps that write nothing (prompts shorter than a block): earlier batches land."""
+    for seed in range(count):
+        greedy(llm, [random_prompt(seed=900 + seed, length=30)], 1)
+
+
+def test_slow_host_copies_in_flight_at_a_cancel_a_reset_and_under_pressure(
+    cold: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`host_slow`: every write-through batch reports itself landed only after eight steps.
+    Meanwhile its request ends, another is cancelled mid-prefill with its own writes in
+    flight, later requests push the device, and a reset clears the cache under a batch that
+    lands afterwards. The audit holds after each; the written prompt then comes back from the
+    host exactly, and after the reset nothing is served from the cache."""
+    monkeypatch.setattr(faults, "_ARMED", frozenset({"host_slow"}))
+    with small_pool_llm(RESUME_PATHS) as llm:
+        cache = cache_of(llm)
+        written = random_prompt(seed=60, length=1500)
+        first = greedy(llm, [written], 8)[0]
+        assert_same_up_to_near_tie(first, cold, written, 8)
+        assert cache.pipeline.writes_in_flight()
+        engine = llm.llm_engine
+        cancelled = random_prompt(seed=61, length=1500)
+        engine.add_request("cancelled", {"prompt_token_ids": cancelled}, greedy_params(8))
+        engine.step()
+        engine.step()
+        engine.abort_request(["cancelled"])
+        cache.audit()
+        for seed in range(62, 66):  # device pressure while the writes are still in flight
+            greedy(llm, [random_prompt(seed=seed, length=1500)], 4)
+            cache.audit()
+        _steps(llm, 10)
+        assert not cache.pipeline.writes_in_flight()
+        out = greedy(llm, [written], 8)[0]
+        assert out.num_cached_tokens == 1472  # the prompt's tail tap, restored from the host
+        assert_same_up_to_near_tie(out, cold, written, 8)
+        greedy(llm, [random_prompt(seed=67, length=1500)], 4)
+        assert cache.pipeline.writes_in_flight()
+        assert llm.reset_prefix_cache()
+        cache.audit()
+        _steps(llm, 10)  # the batch the reset dropped lands now
+        cache.audit()
+        again = greedy(llm, [written], 8)[0]
+        assert again.num_cached_tokens == 0
+        assert_same_up_to_near_tie(again, cold, written, 8)
         settle_and_audit(llm)

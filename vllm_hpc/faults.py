@@ -10,7 +10,11 @@ Each point is documented where it fires; tests arm them in the processes they st
 - `state_copy`: every copy between device state slots (a tap's or endpoint's capture, a resume
   from a snapshot slot) fails in the worker;
 - `snapshot_corrupt`: every copy into a snapshot slot writes ones instead: silent corruption,
-  for the cache audit to find (`--cache-audit-rate`).
+  for the cache audit to find (`--cache-audit-rate`);
+- `host_slow`: every write-through batch is reported landed only `SLOW_COPY_STEPS` engine steps
+  after it was issued, and on CUDA every host copy stream first sleeps `SLOW_COPY_CYCLES`, so a
+  write, restore or prefetch is still in flight when a cancellation, an eviction or a reset
+  lands.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 import os
 
 FAULTS_ENV = "VLLM_HPC_FAULTS"
+SLOW_COPY_STEPS = 8
+SLOW_COPY_CYCLES = 100_000_000
+"""About 50 ms of GPU clock on an H200 (`torch.cuda._sleep`)."""
 _ARMED = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
 
 

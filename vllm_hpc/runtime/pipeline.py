@@ -107,6 +107,10 @@ class StepPipeline:
         self.host.write_bytes += len(images) * self.geometry.image_bytes
         return HostWrite(batch, tuple(blocks), tuple(images))
 
+    def writes_in_flight(self) -> bool:
+        """Whether a handed-out write batch has not been reported done yet."""
+        return bool(self._writing)
+
     def complete_writes(self, batches: Sequence[int]) -> None:
         """The workers finished these write-through batches: the host copies are resident."""
         for batch in batches:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from vllm_hpc.faults import SLOW_COPY_STEPS, armed
 from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
@@ -34,6 +36,14 @@ class CacheCopyError(RuntimeError):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _WriteInFlight:
+    batch: int
+    handle: TransferHandle
+    step: int
+    """The worker step that issued it (the `host_slow` fault holds its report back)."""
+
+
 class ConnectorWorker:
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         self._vllm_config = vllm_config
@@ -42,7 +52,8 @@ class ConnectorWorker:
         """The host tier's copies, timed."""
         self._pool: Any = None
         self._arena: HostArena | None = None
-        self._writing: list[tuple[int, TransferHandle]] = []
+        self._writing: list[_WriteInFlight] = []
+        self._steps = 0
         self._restores: list[RestoreHandle] = []
         self._prefetches: list[RestoreHandle] = []
 
@@ -79,6 +90,7 @@ class ConnectorWorker:
         pool.restores = self._restores
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
+        self._steps += 1
         # Later kernels must not overtake the previous step's restores, wherever they read.
         for handle in [*self._restores, *self._prefetches]:
             handle.wait_all()
@@ -101,8 +113,9 @@ class ConnectorWorker:
             return
         try:
             for write in connector_metadata.host_writes:
-                self._writing.append((write.batch, arena.write(write.blocks, write.images)))
-                self.meter.track("write", self._writing[-1][1])
+                handle = arena.write(write.blocks, write.images)
+                self._writing.append(_WriteInFlight(write.batch, handle, self._steps))
+                self.meter.track("write", handle)
             for restore in connector_metadata.host_restores:
                 self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
             for prefetch in connector_metadata.prefetches:
@@ -128,11 +141,12 @@ class ConnectorWorker:
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""
-        landed = [batch for batch, handle in self._writing if handle.done()]
+        held = SLOW_COPY_STEPS if armed("host_slow") else 0
+        landed = [w for w in self._writing if w.handle.done() and self._steps - w.step >= held]
         if not landed:
             return None
-        self._writing = [(b, h) for b, h in self._writing if b not in landed]
-        return WritesLanded(dict.fromkeys(landed, 1))
+        self._writing = [w for w in self._writing if w not in landed]
+        return WritesLanded(dict.fromkeys((w.batch for w in landed), 1))
 
     def _state_pool(self) -> Any:
         if self._pool is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_hpc.derived import check_host_budget
-from vllm_hpc.faults import InjectedFault, armed
+from vllm_hpc.faults import SLOW_COPY_CYCLES, InjectedFault, armed
 from vllm_hpc.glue.worker.cudart import CudaRuntime
 from vllm_hpc.glue.worker.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
@@ -367,6 +367,9 @@ class HostArena:
             return [], CopyTiming(cpu_seconds=time.perf_counter() - started)
         stream = self._streams[stream_index]
         stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        if armed("host_slow"):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLOW_COPY_CYCLES)
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         events = []

@@ -113,9 +113,9 @@ class ConnectorWorker:
             return
         try:
             for write in connector_metadata.host_writes:
-                handle = arena.write(write.blocks, write.images)
-                self._writing.append(_WriteInFlight(write.batch, handle, self._steps))
-                self.meter.track("write", handle)
+                written = arena.write(write.blocks, write.images)
+                self._writing.append(_WriteInFlight(write.batch, written, self._steps))
+                self.meter.track("write", written)
             for restore in connector_metadata.host_restores:
                 self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
             for prefetch in connector_metadata.prefetches:

@@ -95,6 +95,21 @@ def test_kv_pages_take_snapshot_rows_once_the_lru_is_empty() -> None:
     h.check()
 
 
+def test_kv_pages_take_a_superseded_snapshots_row_before_an_unbacked_page() -> None:
+    h = rows_index(pages=32, slots=4)
+    prompt = toks(9, 3 * BLOCK + 5)
+    s64, s128, s192 = map(snap, h.run(prompt, taps=[BLOCK, 2 * BLOCK, 3 * BLOCK]))
+    assert s64.superseded and s128.superseded
+    h.index.plan_taken()
+    pages = h.index.allocate_pages(h.index.store.pages.num_free + 1)
+    assert pages is not None
+    assert s64.slot is None and s128.slot is not None and s192.slot is not None
+    assert h.index.stats.device_evictions_unbacked == 0  # the prompt's pages all stay
+    assert h.index.match(h.index.prepare_prompt(prompt)).matched_tokens == 3 * BLOCK
+    h.index.free_pages(pages)
+    h.check()
+
+
 def test_a_snapshot_published_in_the_plan_being_built_keeps_its_row_from_kv() -> None:
     h = rows_index(pages=16, slots=2)
     (tap,) = map(snap, h.run(toks(8, 2 * BLOCK + 1), taps=[2 * BLOCK]))

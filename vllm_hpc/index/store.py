@@ -348,20 +348,25 @@ class CacheStore:
         return self.pages.capacity - (self.pages.row_pages if self.pages.num_rows else 0)
 
     def make_device_room(self, count: int) -> bool:
-        """Evict until ``count`` pages are free, or return False at once: the device LRU first,
-        then snapshots' rows (`DeviceSnapshotSlots.give_way`). Exact (`available_pages`)."""
+        """Evict until ``count`` pages are free, or return False at once. What loses nothing
+        goes first, as in `take_state_row`: host-backed LRU pages, then a superseded or
+        host-backed snapshot's row (`DeviceSnapshotSlots.give_way`), then unbacked LRU pages,
+        then a device-only snapshot's row. Exact (`available_pages`)."""
         if self.pages.num_free >= count:  # the common case: no count of what could go
             return True
         if self.available_pages < count:
             return False
         while self.pages.num_free < count:
             entry = self.lru.victim()
-            if entry is None:
-                victim = self.slots.give_way(self.plan)
-                assert victim is not None, "available_pages counted a row that cannot go"
-                self._drop_image(victim)
+            if entry is not None and self.lru.is_backed(entry):
+                self._evict(entry)
                 continue
-            self._evict(entry)
+            victim = self.slots.give_way(self.plan)
+            if entry is not None and (victim is None or not _lossless(victim)):
+                self._evict(entry)
+                continue
+            assert victim is not None, "available_pages counted a row that cannot go"
+            self._drop_image(victim)
         return True
 
     def _evict(self, entry: LruEntry) -> None:
@@ -456,9 +461,7 @@ class CacheStore:
             row = self._take_kv_row(protected, lossless_only=True)
         if row is None:
             victim = self.slots.give_way(exclude=keep)
-            if victim is not None and (
-                victim.superseded or victim.image_host is Residency.RESIDENT
-            ):
+            if victim is not None and _lossless(victim):
                 row = self._row_of_snapshot(victim)
             else:
                 row = self._take_kv_row(protected, lossless_only=False)
@@ -533,3 +536,9 @@ class CacheStore:
         else:
             self.value.inflate(victim.priority)
             self.delete_snapshot(victim)
+
+
+def _lossless(snapshot: Snapshot) -> bool:
+    """Whether dropping the snapshot's device image loses nothing a request could resume from:
+    it is superseded, or its image has a host copy."""
+    return snapshot.superseded or snapshot.image_host is Residency.RESIDENT

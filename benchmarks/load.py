@@ -16,10 +16,11 @@ vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every reques
   ``--user-len`` new tokens. Reported per turn: hit rate (cached / prompt tokens), TTFT p50 / p95,
   output tok/s. Sessions run in the engine of ``--max-num-seqs``, after its bursts.
 - ``--profile-steps K`` (off by default): after an engine's workloads, the first burst's prompts
-  again, stepped by hand; once every request decodes, K decode steps are timed, then K more run
-  under vLLM's torch profiler. Reported: the mean decode step (ms, unprofiled) and vLLM's kernel
-  table (``profile_<config>_<max_num_seqs>.txt`` in ``--out``), so a gap in the burst can be
-  traced to its kernels.
+  again, stepped by hand: the first three (prefill) steps run under vLLM's torch profiler; once
+  every request decodes, K decode steps are timed, then K more are profiled. Reported: the mean
+  decode step (ms, unprofiled) and vLLM's kernel tables (``profile_<config>_<max_num_seqs>
+  _prefill.txt`` and ``profile_<config>_<max_num_seqs>.txt`` in ``--out``), so a gap in the
+  burst can be traced to its kernels.
 
 Targets (the report's last table): per burst, output tok/s >= 0.98x native and TTFT p50 / p95
 <= 1.0x; sessions: hit rate >= native on every turn and TTFT p50 <= 0.6x native on every turn
@@ -338,11 +339,30 @@ def profile_dir(config: str, max_num_seqs: int) -> Path:
     return Path("/tmp/vllm_hpc_load_profile") / f"{config}_{max_num_seqs}"
 
 
-def decode_profile(
+PREFILL_PROFILE_STEPS = 3
+"""Prefill steps profiled at the start of ``--profile-steps`` (full-budget chunks of the burst)."""
+
+
+def profiled(llm: Any, steps: int, e: dict[str, Any], out: Path, name: str, head: str) -> None:
+    """Run ``steps`` engine steps under vLLM's profiler; its kernel table goes to ``name``."""
+    table_dir = profile_dir(e["config"], e["max_num_seqs"])
+    llm.start_profile()
+    for _ in range(steps):
+        llm.llm_engine.step()
+    llm.stop_profile()
+    tables = sorted(table_dir.glob("*profiler_out*.txt"), key=lambda t: t.stat().st_mtime)
+    table = tables[-1].read_text() if tables else "(vLLM wrote no profiler table)"
+    for stale in tables:  # the next session's table must not be mistaken for this one
+        stale.unlink()
+    (out / name).write_text(f"{head}\n\n{table}")
+
+
+def step_profile(
     llm: Any, args: argparse.Namespace, vocab: int, e: dict[str, Any], out: Path
 ) -> dict[str, Any]:
-    """The first burst's size of cold prompts, stepped by hand until every request decodes;
-    then K timed decode steps and K under the profiler. The rest is aborted."""
+    """The first burst's size of cold prompts, stepped by hand: the first prefill steps under
+    the profiler; then, once every request decodes, K timed decode steps and K more under the
+    profiler. The rest is aborted."""
     from vllm import SamplingParams
 
     n = parse_burst(args.burst[0])[0]
@@ -353,6 +373,17 @@ def decode_profile(
     for i, rid in enumerate(ids):
         prompt = random_prompt(SEED_PROFILE + i, args.burst_len, vocab)
         engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    tag = f"{e['config']}_{e['max_num_seqs']}"
+    start = time.perf_counter()
+    profiled(
+        llm,
+        PREFILL_PROFILE_STEPS,
+        e,
+        out,
+        f"profile_{tag}_prefill.txt",
+        f"the first {PREFILL_PROFILE_STEPS} steps after {n} prompts arrive together",
+    )
+    prefill_s = time.perf_counter() - start
     decoding: set[str] = set()
     while len(decoding) < n:
         decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
@@ -362,19 +393,19 @@ def decode_profile(
     for _ in range(k):
         engine.step()
     step_ms = (time.perf_counter() - start) / k * 1000
-    llm.start_profile()
-    for _ in range(k):
-        engine.step()
-    llm.stop_profile()
+    head = f"decode step {step_ms:.2f} ms at {n} requests"
+    profiled(llm, k, e, out, f"profile_{tag}.txt", head)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    tables = sorted(profile_dir(e["config"], e["max_num_seqs"]).glob("*profiler_out*.txt"))
-    table = tables[0].read_text() if tables else "(vLLM wrote no profiler table)"
-    name = f"profile_{e['config']}_{e['max_num_seqs']}.txt"
-    (out / name).write_text(f"decode step {step_ms:.2f} ms at {n} requests\n\n{table}")
-    log(f"  decode profile: {step_ms:.2f} ms per step at {n} requests; table in {name}")
-    return {"requests": n, "steps": k, "decode_step_ms": step_ms, "table": name}
+    log(f"  profile: {step_ms:.2f} ms per decode step at {n} requests; tables profile_{tag}*.txt")
+    return {
+        "requests": n,
+        "steps": k,
+        "decode_step_ms": step_ms,
+        "prefill_profiled_s": prefill_s,
+        "tables": [f"profile_{tag}_prefill.txt", f"profile_{tag}.txt"],
+    }
 
 
 def bench_engine(
@@ -392,7 +423,7 @@ def bench_engine(
             results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
     measured = {"workloads": results, "bench_s": time.monotonic() - t}
     if args.profile_steps and e["max_num_seqs"] == parse_burst(args.burst[0])[1]:
-        measured["profile"] = decode_profile(llm, args, vocab, e, out)
+        measured["profile"] = step_profile(llm, args, vocab, e, out)
     return measured
 
 

@@ -368,6 +368,130 @@ def _write_processor(vocab_size: int, out_dir: Path) -> None:
     processor.save_pretrained(out_dir)
 
 
+QUANT_GROUP_SIZE = 128
+"""Input columns per scale in the quantized variants: the published checkpoints' group, one
+that vLLM's CPU kernel (`CPUWNA16LinearKernel`: even groups, input and output sizes multiples of
+32) and its GPTQ config (groups of -1, 32, 64 or 128) accept, and that divides the tiny model's
+input sizes (256 and 512)."""
+QUANTIZED_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""The linear layers written as 4-bit. Everything else stays in float: the embeddings, the output
+head, the norms, the GDN convolution (vLLM builds it without a quantization config), A_log and
+dt_bias, and the GDN gates `FLOAT_LINEAR`, whose 4 output rows (one per value head) are no
+multiple of 32, which the CPU kernel requires."""
+FLOAT_LINEAR = ("in_proj_b", "in_proj_a")
+"""The linear layers of this model that stay in float (named in the AWQ config)."""
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AWQ's order within an int32: nibble ``i`` (bits 4i..4i+3) holds output column AWQ_ORDER[i]
+of its eight; GPTQ's nibble ``i`` holds element ``i``."""
+
+
+def tiny_quantized_path(method: str, recipe: TinyQwen35Recipe = DEFAULT_RECIPE) -> Path:
+    """The tiny model with `QUANTIZED_MODULES` round-to-nearest quantized to 4 bits, groups of
+    `QUANT_GROUP_SIZE`, in the checkpoint layout of ``method``: "gptq" (symmetric) or "awq"
+    (with zero points); built once from the float model's own random weights."""
+    writer = {"gptq": _gptq_tensors, "awq": _awq_tensors}[method]
+    digest = hashlib.sha256(f"{recipe.digest()}-{method}-{QUANT_GROUP_SIZE}-1".encode())
+    build = partial(_build_quantized, tiny_model_path(recipe), method, writer)
+    return _built(f"tiny-{method}-{digest.hexdigest()[:12]}", "config.json", build)
+
+
+def _build_quantized(
+    source: Path, method: str, writer: Callable[[Any], dict[str, Any]], out_dir: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in QUANTIZED_MODULES:
+            tensors.update({f"{module}.{k}": v for k, v in writer(tensor).items()})
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    for file in source.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy(file, out_dir / file.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(method)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))  # last: marks it built
+
+
+def _quantization_config(method: str) -> dict[str, Any]:
+    common = {"quant_method": method, "bits": 4, "group_size": QUANT_GROUP_SIZE}
+    if method == "gptq":
+        return {**common, "sym": True, "desc_act": False, "lm_head": False}
+    # vLLM matches these names as substrings of its layers' names. Left out, vLLM infers the list
+    # from the weights' dtypes, and it then holds each GDN layer itself (A_log and dt_bias are
+    # its own float parameters): every GDN projection would be built unquantized, with no place
+    # for its packed weights (checked with vLLM 0.32's `is_layer_skipped`).
+    skip = list(FLOAT_LINEAR)
+    return {**common, "zero_point": True, "version": "gemm", "modules_to_not_convert": skip}
+
+
+def _groups(weight: Any) -> Any:
+    """``weight`` [out, in] as float32 [out, in / group, group]."""
+    rows, cols = weight.shape
+    return weight.float().reshape(rows, cols // QUANT_GROUP_SIZE, QUANT_GROUP_SIZE)
+
+
+def _pack(values: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
+    """4-bit ``values`` [..., n] as int32 [..., n / 8]: nibble ``i`` of each word holds
+    element ``order[i]`` of its eight."""
+    import torch
+
+    eight = values.long().reshape(*values.shape[:-1], -1, 8)[..., list(order)]
+    words = (eight << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _gptq_tensors(weight: Any) -> dict[str, Any]:
+    """Symmetric: w = (q - 8) * scale, q in 0..15. ``qweight`` [in / 8, out] is packed along the
+    input; ``scales`` and ``qzeros`` have one row per group (vLLM's GPTQ path reads no zeros for
+    symmetric checkpoints; they hold 8 - 1 as GPTQ's original format writes it)."""
+    import torch
+
+    groups = _groups(weight)
+    scales = groups.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 7
+    q = (groups / scales).round().clamp(-8, 7) + 8
+    rows, cols = weight.shape
+    zeros = torch.full((cols // QUANT_GROUP_SIZE, rows), 7)
+    return {
+        "qweight": _pack(q.reshape(rows, cols)).T.contiguous(),
+        "qzeros": _pack(zeros),
+        "scales": scales.squeeze(-1).T.contiguous().to(torch.float16),
+        "g_idx": (torch.arange(cols) // QUANT_GROUP_SIZE).to(torch.int32),
+    }
+
+
+def _awq_tensors(weight: Any) -> dict[str, Any]:
+    """Asymmetric: w = (q - zero) * scale, q and zero in 0..15. ``qweight`` [in, out / 8] and
+    ``qzeros`` [in / group, out / 8] are packed along the output in `AWQ_ORDER`."""
+    import torch
+
+    groups = _groups(weight)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scales = ((high - low) / 15).clamp(min=1e-8)
+    zeros = (-low / scales).round().clamp(0, 15)
+    q = ((groups / scales).round() + zeros).clamp(0, 15)
+    rows, cols = weight.shape
+    return {
+        "qweight": _pack(q.reshape(rows, cols).T, AWQ_ORDER),
+        "qzeros": _pack(zeros.squeeze(-1).T, AWQ_ORDER),
+        "scales": scales.squeeze(-1).T.contiguous().to(torch.float16),
+    }
+
+
 def llm_kwargs(model_dir: Path | None = None, **overrides: object) -> dict[str, object]:
     """Keyword arguments for `vllm.LLM` that run the tiny model on this machine.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from vllm_hpc.index import (
@@ -16,6 +17,8 @@ from vllm_hpc.index import (
     PrefixIndex,
     Publication,
     Readiness,
+    SavedCache,
+    SavedSnapshot,
     Snapshot,
     SnapshotKind,
 )
@@ -73,6 +76,26 @@ def make_index(
         **extra,
     )
     return PrefixIndex(config)
+
+
+def saved_prompt(saved: SavedCache, snapshot: SavedSnapshot) -> tuple[str | None, tuple[int, ...]]:
+    """The tenant and token path a saved snapshot resumes: its anchor's blocks, then its tail."""
+    blocks = {block.id: block for block in saved.blocks}
+    salts = {root.id: root.cache_salt for root in saved.roots}
+    chunks = [snapshot.tail]
+    node = snapshot.anchor
+    while node in blocks:
+        chunks.append(blocks[node].tokens)
+        node = blocks[node].parent
+    return salts[node], tuple(array("i", b"".join(reversed(chunks))))
+
+
+def assert_resumes(index: PrefixIndex, saved: SavedCache) -> None:
+    """A lookup continuing each of ``saved``'s snapshots finds one at its frontier."""
+    for snapshot in saved.snapshots:
+        salt, tokens = saved_prompt(saved, snapshot)
+        prompt = index.prepare_prompt([*tokens, 7], cache_salt=salt)
+        assert snapshot.frontier in index.match(prompt).frontiers
 
 
 class Harness:

@@ -9,6 +9,7 @@ collides often. After every step the index audits itself from scratch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from array import array
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.index.harness import BLOCK, make_index
+from tests.index.harness import BLOCK, assert_resumes, make_index, saved_prompt
 from vllm_hpc.index import (
     BlockNode,
     BlockWrite,
@@ -334,6 +335,28 @@ class IndexMachine(RuleBasedStateMachine):
         idle = not (self.running or self.writes or self.pressure or self.prefetches)
         assert self.index.reset() is idle
         if idle:
+            self.inflation = 0.0
+
+    @rule(host=st.sampled_from([3, 4, 9, 20, 40]))
+    def restart(self, host: int) -> None:
+        """A save, then a load at start-up into a fresh index with ``host`` slabs (§5.5).
+        Saved from any state (only what is host-resident goes); an idle index is replaced by
+        the loaded one, as a restart would."""
+        index = self.index
+        saved = index.export_saved()
+        slab_bytes = index.store.value.geometry.slab_bytes
+        config = dataclasses.replace(index.config, host_budget_bytes=host * slab_bytes)
+        fresh = PrefixIndex(config)
+        loaded = fresh.load_saved(saved)
+        fresh.check_invariants()
+        assert loaded.complete or loaded.saved_bytes > host * slab_bytes
+        resaved = fresh.export_saved()
+        assert len(resaved.snapshots) == loaded.snapshots == len(fresh.store.snapshots)
+        assert_resumes(fresh, resaved)
+        identity = {(saved_prompt(saved, s), s.kind, s.hits) for s in saved.snapshots}
+        assert {(saved_prompt(resaved, s), s.kind, s.hits) for s in resaved.snapshots} <= identity
+        if not (self.running or self.writes or self.pressure or self.prefetches):
+            self.index = fresh
             self.inflation = 0.0
 
     # -- checks -----------------------------------------------------------------------------

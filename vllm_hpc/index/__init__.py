@@ -13,6 +13,7 @@ from vllm_hpc.index.admission import (
     SourceOption,
 )
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
+from vllm_hpc.index.cache_load import LoadedCache, RestorePlan, plan_host_restore
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.cost_model import CacheCostModel, CostModel
 from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
@@ -26,6 +27,7 @@ from vllm_hpc.index.prompt import (
     resume_floor,
     xxh3_block_hash,
 )
+from vllm_hpc.index.saved_cache import SavedBlock, SavedCache, SavedRoot, SavedSnapshot
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.tap_planner import (
@@ -69,6 +71,7 @@ __all__ = [
     "IndexConfig",
     "InvariantError",
     "Lease",
+    "LoadedCache",
     "MatchResult",
     "MediaItem",
     "NodeId",
@@ -81,7 +84,12 @@ __all__ = [
     "Readiness",
     "Residency",
     "Restore",
+    "RestorePlan",
     "RowId",
+    "SavedBlock",
+    "SavedCache",
+    "SavedRoot",
+    "SavedSnapshot",
     "SlabId",
     "SlotId",
     "Snapshot",
@@ -95,6 +103,7 @@ __all__ = [
     "TapPolicy",
     "TapRequest",
     "TapSource",
+    "plan_host_restore",
     "prepare_prompt",
     "resume_floor",
     "xxh3_block_hash",

@@ -112,6 +112,10 @@ class BlockTree:
     def root(self, salt: str | None) -> BlockNode | None:
         return self._roots.get(salt)
 
+    def salt_of(self, root: BlockNode) -> str | None:
+        """The ``cache_salt`` a tenant root is keyed by."""
+        return self._salt_of[root]
+
     def root_for(self, salt: str | None) -> BlockNode:
         root = self._roots.get(salt)
         if root is None:

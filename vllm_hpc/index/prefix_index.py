@@ -30,6 +30,7 @@ from vllm_hpc.index.admission import (
     source_options,
 )
 from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.cache_load import LoadedCache, load_saved
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
@@ -37,6 +38,7 @@ from vllm_hpc.index.invariants import check_invariants
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
+from vllm_hpc.index.saved_cache import SavedCache, export_saved
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.store import CacheStore
@@ -478,6 +480,25 @@ class PrefixIndex:
         self._in_flight.clear()
         self.store = CacheStore(self.config, self.stats)
         self._fruitless = None
+
+    # -- persistence (§5.5) -----------------------------------------------------------------
+
+    def export_saved(self) -> SavedCache:
+        """What a save keeps: every retained snapshot whose image, tail and anchor path are
+        host-resident, and exactly those paths' blocks, parents first. Read-only; the caller
+        lets every host write land first, or the entries it writes are left out."""
+        return export_saved(self.store)
+
+    def load_saved(self, saved: SavedCache) -> LoadedCache:
+        """Rebuild ``saved`` host-only in this empty index, whole snapshots by value per byte
+        where the host tier is smaller (`plan_host_restore`). Before the first request, the
+        caller copies each saved slab's bytes to the slab ``LoadedCache.slabs`` names, or
+        calls ``clear``. ValueError for a non-empty index or malformed records."""
+        store = self.store
+        if self._leases or self._in_flight or store.slots.staging or store.tree.roots:
+            raise ValueError("a save loads only into an empty index")
+        store.advance()
+        return load_saved(store, saved)
 
     @property
     def num_leases(self) -> int:

@@ -158,6 +158,16 @@ class CacheStore:
         self._resize_owner(node, self.value.geometry.block_bytes)
         self.sync_node(node)
 
+    def add_host_node(
+        self, parent: BlockNode, tokens: bytes, extra: int, slab: SlabId
+    ) -> BlockNode:
+        """A saved block comes back host-only (§5.5), under a parent already rebuilt; its slab
+        receives the saved bytes before any request can restore from it."""
+        node = self.tree.insert(parent, tokens, extra)
+        self.fill_host(node, slab)
+        self.land_host(node)
+        return node
+
     def land_host(self, node: BlockNode) -> None:
         assert node.host is Residency.FILLING
         node.host = Residency.RESIDENT
@@ -250,11 +260,33 @@ class CacheStore:
         if tail_page is not None:
             self.pages.set_state(tail_page, PageState.ACTIVE, PageState.CACHED)
             snapshot.tail_page, snapshot.tail_device = tail_page, Residency.RESIDENT
+        self._register(snapshot)
+        self.stats.snapshots_published += 1
+        return snapshot
+
+    def add_host_snapshot(
+        self,
+        anchor: BlockNode,
+        tail: bytes,
+        kind: SnapshotKind,
+        image: list[SlabId],
+        tail_slab: SlabId | None,
+        hits: int,
+    ) -> Snapshot:
+        """A saved snapshot comes back host-only (§5.5); its slabs receive the saved bytes
+        before any request can restore from them."""
+        snapshot = Snapshot(
+            self.snapshots.new_id(), kind, anchor, tail, self.tick, last_hit=self.tick, hits=hits
+        )
+        self._register(snapshot)
+        self.fill_snapshot_host(snapshot, image, tail_slab)
+        self.land_snapshot_host(snapshot)
+        return snapshot
+
+    def _register(self, snapshot: Snapshot) -> None:
         self.value.stamp(snapshot)
         self._apply(self.snapshots.add(snapshot), snapshot)
         self.sync_tail(snapshot)
-        self.stats.snapshots_published += 1
-        return snapshot
 
     def delete_snapshot(self, snapshot: Snapshot) -> None:
         assert snapshot.restore_pins == 0, "deleting a pinned snapshot"

@@ -1,0 +1,332 @@
+"""The prefix cache file (`--prefix-cache-file`, §5.5): header, tables, then slab sections.
+
+Layout (little-endian; D is the first 4 KiB boundary after the header)::
+
+    0   magic (8) | format version (u32) | header bytes (u32) | header CRC-32 (u32)
+    20  header: UTF-8 JSON {fingerprint, data_bytes, tables, sections}
+    D   tables: the save's records (`tables.encode_tables`), CRC-32 in the header
+        per section, 4 KiB-aligned: one slab_bytes record per saved slab, ascending slab
+        id, then one CRC-32 per slab and a CRC-32 of that list
+
+Offsets in the header are relative to D, so the header can be written first. A reader decides
+from the header, the tables and the slab checksum lists, before it reads any slab bytes, and
+reads only the slabs it keeps. Sections are per tensor-parallel rank: each rank's worker holds
+its own bytes of every slab; a file holds one section per rank that saved.
+
+Writing goes to a temporary file in the same directory, fsynced and renamed into place, so a
+failed or cancelled save leaves the previous file as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from vllm_hpc.index.saved_cache import SavedCache
+from vllm_hpc.index.types import SlabId
+from vllm_hpc.persistence.tables import decode_tables, encode_tables
+
+MAGIC = b"VHPCPFX\x00"
+FORMAT_VERSION = 1
+_PRELUDE = struct.Struct("<8sIII")
+ALIGN = 4096
+PROGRESS_BYTES = 64 << 20
+"""Progress is reported about this often, and once at the end."""
+READ_RUN_BYTES = 64 << 20
+"""Consecutive slabs are read in runs of about this size."""
+
+Progress = Callable[[int, int], None]
+"""``(bytes done, bytes in all)``."""
+SlabSource = Callable[[SlabId], bytes]
+"""One saved slab's bytes on this section's rank (slab_bytes long)."""
+SlabSink = Callable[[SlabId, memoryview], None]
+"""Receives one saved slab's bytes (valid only during the call)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One rank's slab bytes: ``slabs`` records of ``slab_bytes``, then their checksums."""
+
+    rank: int
+    offset: int
+    """From the start of the data (D)."""
+    slab_bytes: int
+    checksums: tuple[int, ...] = ()
+    """Per slab, in the tables' slab order (filled in by the reader)."""
+
+    def checksums_offset(self, slabs: int) -> int:
+        return self.offset + slabs * self.slab_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFile:
+    """A file whose header, fingerprint, tables and checksum lists are valid."""
+
+    path: Path
+    saved: SavedCache
+    sections: tuple[Section, ...]
+    data_offset: int
+    """D: where the data starts in the file."""
+
+    def section(self, rank: int) -> Section | None:
+        return next((s for s in self.sections if s.rank == rank), None)
+
+    def read_slabs(
+        self,
+        rank: int,
+        wanted: Iterable[SlabId],
+        sink: SlabSink,
+        progress: Progress | None = None,
+    ) -> str | None:
+        """Hand ``sink`` each wanted saved slab of ``rank``'s section, checked against its
+        checksum; None when all arrived, else why not (the sink may have had some: the caller
+        drops what the load built)."""
+        section = self.section(rank)
+        if section is None:
+            return f"no slab section for rank {rank}"
+        position = {slab: i for i, slab in enumerate(self.saved.slabs)}
+        try:
+            order = sorted(position[slab] for slab in set(wanted))
+        except KeyError as exc:
+            return f"slab {exc} is not in the file"
+        size = section.slab_bytes
+        meter = _Meter(len(order) * size, progress)
+        try:
+            with open(self.path, "rb") as file:
+                for run in _runs(order, max(1, READ_RUN_BYTES // size)):
+                    file.seek(self.data_offset + section.offset + run[0] * size)
+                    data = memoryview(file.read(len(run) * size))
+                    if len(data) != len(run) * size:
+                        return "truncated in a slab section"
+                    for k, index in enumerate(run):
+                        record = data[k * size : (k + 1) * size]
+                        if zlib.crc32(record) != section.checksums[index]:
+                            return f"bad checksum in rank {rank}'s slab section"
+                        sink(self.saved.slabs[index], record)
+                    meter.add(len(data))
+        except OSError as exc:
+            return f"cannot read the file: {exc}"
+        meter.done()
+        return None
+
+
+def write_cache_file(
+    path: str | os.PathLike[str],
+    fingerprint: Mapping[str, Any],
+    saved: SavedCache,
+    sections: Mapping[int, SlabSource],
+    *,
+    progress: Progress | None = None,
+    cancel: Callable[[], bool] = lambda: False,
+) -> int | None:
+    """Write ``saved`` and, per rank, its slabs' bytes atomically at ``path``.
+
+    Returns the file's size, or None when ``cancel`` answered True (asked before each slab and
+    before the rename). A cancelled or failed save (the error is raised again) removes its
+    temporary file and leaves any previous file at ``path`` untouched.
+    """
+    target = Path(path)
+    slabs = saved.slabs
+    slab_bytes = saved.geometry.slab_bytes
+    tables = encode_tables(saved)
+    layout, data_bytes = [], _align(len(tables))
+    for rank in sorted(sections):
+        layout.append(Section(rank, data_bytes, slab_bytes))
+        data_bytes = _align(data_bytes + len(slabs) * slab_bytes + 4 * (len(slabs) + 1))
+    header = json.dumps(
+        {
+            "fingerprint": dict(fingerprint),
+            "data_bytes": data_bytes,
+            "slabs": len(slabs),
+            "tables": {"offset": 0, "bytes": len(tables), "crc32": zlib.crc32(tables)},
+            "sections": [
+                {"rank": s.rank, "offset": s.offset, "slab_bytes": s.slab_bytes} for s in layout
+            ],
+        },
+        sort_keys=True,
+    ).encode()
+    data_offset = _align(_PRELUDE.size + len(header))
+    total = data_offset + data_bytes
+    meter = _Meter(total, progress)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as file:
+            _pad_write(file, _PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
+            _pad_write(file, header, data_offset)
+            _pad_write(file, tables, data_offset + len(tables))
+            for section in layout:
+                _pad_write(file, b"", data_offset + section.offset)
+                source = sections[section.rank]
+                checksums = []
+                for slab in slabs:
+                    if cancel():
+                        raise _Cancelled
+                    record = source(slab)
+                    if len(record) != slab_bytes:
+                        raise ValueError(f"slab {slab} has {len(record)} bytes, not {slab_bytes}")
+                    checksums.append(zlib.crc32(record))
+                    file.write(record)
+                    meter.add(slab_bytes)
+                listed = struct.pack(f"<{len(checksums)}I", *checksums)
+                file.write(listed + struct.pack("<I", zlib.crc32(listed)))
+            _pad_write(file, b"", total)
+            file.flush()
+            os.fsync(file.fileno())
+        if cancel():
+            raise _Cancelled
+        os.replace(temporary, target)
+    except _Cancelled:
+        _abandon(temporary)
+        return None
+    except BaseException:
+        _abandon(temporary)
+        raise
+    _fsync_directory(target.parent)
+    meter.done()
+    return total
+
+
+def open_cache_file(
+    path: str | os.PathLike[str], fingerprint: Mapping[str, Any]
+) -> CacheFile | str:
+    """The file's validated header, tables and checksum lists, or why it cannot be used.
+
+    Never raises for a bad file: a truncated or damaged one, another engine's (the differing
+    fingerprint keys are named), another format version or not a prefix cache file at all.
+    """
+    target = Path(path)
+    try:
+        with open(target, "rb") as file:
+            return _open(target, file, fingerprint)
+    except FileNotFoundError:
+        return f"no file at {target}"
+    except OSError as exc:
+        return f"cannot read the file: {exc}"
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        return f"malformed: {exc!r}"
+
+
+def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any]) -> CacheFile | str:
+    size = os.fstat(file.fileno()).st_size
+    prelude = file.read(_PRELUDE.size)
+    if len(prelude) < _PRELUDE.size or not prelude.startswith(MAGIC):
+        return "not a prefix cache file"
+    _, version, header_bytes, header_crc = _PRELUDE.unpack(prelude)
+    if version != FORMAT_VERSION:
+        return f"format version {version}, this build reads {FORMAT_VERSION}"
+    header_raw = file.read(header_bytes)
+    if len(header_raw) < header_bytes:
+        return f"truncated: {size} bytes, the header alone is {_PRELUDE.size + header_bytes}"
+    if zlib.crc32(header_raw) != header_crc:
+        return "bad checksum in the header"
+    try:
+        header = json.loads(header_raw)
+        data_offset = _align(_PRELUDE.size + header_bytes)
+        expected_size = data_offset + int(header["data_bytes"])
+        tables_entry = header["tables"]
+        slab_count = int(header["slabs"])
+        layout = [
+            Section(int(s["rank"]), int(s["offset"]), int(s["slab_bytes"]))
+            for s in header["sections"]
+        ]
+        found = dict(header["fingerprint"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"bad header: {exc!r}"
+    if size != expected_size:
+        which = "truncated" if size < expected_size else "longer than its header says"
+        return f"{which}: {size} bytes, the header says {expected_size}"
+    wanted = json.loads(json.dumps(dict(expected)))
+    differing = sorted(k for k in wanted.keys() | found.keys() if wanted.get(k) != found.get(k))
+    if differing:
+        return f"foreign fingerprint: {', '.join(differing)} differ"
+    file.seek(data_offset + int(tables_entry["offset"]))
+    tables = file.read(int(tables_entry["bytes"]))
+    if zlib.crc32(tables) != tables_entry["crc32"]:
+        return "bad checksum in the tables"
+    try:
+        saved = decode_tables(tables)
+    except ValueError as exc:
+        return str(exc)
+    if len(saved.slabs) != slab_count:
+        return f"the tables name {len(saved.slabs)} slabs, the header {slab_count}"
+    sections = []
+    for section in layout:
+        if section.slab_bytes != saved.geometry.slab_bytes:
+            return f"rank {section.rank}'s slabs are not {saved.geometry.slab_bytes} bytes"
+        file.seek(data_offset + section.checksums_offset(slab_count))
+        listed = file.read(4 * slab_count)
+        (listed_crc,) = struct.unpack("<I", file.read(4))
+        if zlib.crc32(listed) != listed_crc:
+            return f"bad checksum in rank {section.rank}'s slab checksums"
+        checksums = struct.unpack(f"<{slab_count}I", listed)
+        sections.append(Section(section.rank, section.offset, section.slab_bytes, checksums))
+    return CacheFile(target, saved, tuple(sections), data_offset)
+
+
+class _Cancelled(Exception):
+    """The save's cancel hook answered True."""
+
+
+class _Meter:
+    """Reports progress about every PROGRESS_BYTES, so a large file logs a few lines."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total, self.progress = total, progress
+        self.done_bytes = self.reported = 0
+
+    def add(self, count: int) -> None:
+        self.done_bytes += count
+        if self.progress and self.done_bytes - self.reported >= PROGRESS_BYTES:
+            self.reported = self.done_bytes
+            self.progress(self.done_bytes, self.total)
+
+    def done(self) -> None:
+        if self.progress:
+            self.progress(self.total, self.total)
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _pad_write(file: BinaryIO, data: bytes, end: int | None = None) -> None:
+    """Write ``data``, then zeros up to file offset ``end`` (default: no padding)."""
+    file.write(data)
+    if end is not None:
+        file.write(bytes(end - file.tell()))
+
+
+def _runs(order: list[int], limit: int) -> list[list[int]]:
+    """Sorted slab positions split into runs of consecutive ones, at most ``limit`` long."""
+    runs: list[list[int]] = []
+    for index in order:
+        if runs and runs[-1][-1] == index - 1 and len(runs[-1]) < limit:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def _abandon(temporary: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable (POSIX); a platform without directory handles skips it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -327,6 +327,7 @@ def _fsync_directory(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
+        with contextlib.suppress(OSError):  # some filesystems refuse a directory fsync
+            os.fsync(fd)
     finally:
         os.close(fd)

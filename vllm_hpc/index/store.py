@@ -388,17 +388,21 @@ class CacheStore:
             return True
         if self.available_pages < count:
             return False
+        # Evicting pages never makes a snapshot superseded or host-backed: once no lossless row
+        # is left, the unbacked pages go without asking the slots (an O(D) scan) for each one.
+        lossless_left = True
         while self.pages.num_free < count:
             entry = self.lru.victim()
             if entry is not None and self.lru.is_backed(entry):
                 self._evict(entry)
                 continue
-            victim = self.slots.give_way(self.plan)
-            if entry is not None and (victim is None or not _lossless(victim)):
-                self._evict(entry)
+            victim = self.slots.give_way(self.plan) if lossless_left or entry is None else None
+            if victim is not None and (entry is None or _lossless(victim)):
+                self._drop_image(victim)
                 continue
-            assert victim is not None, "available_pages counted a row that cannot go"
-            self._drop_image(victim)
+            lossless_left = False
+            assert entry is not None, "available_pages counted a row that cannot go"
+            self._evict(entry)
         return True
 
     def _evict(self, entry: LruEntry) -> None:

@@ -339,8 +339,10 @@ def profile_dir(config: str, max_num_seqs: int) -> Path:
     return Path("/tmp/vllm_hpc_load_profile") / f"{config}_{max_num_seqs}"
 
 
+PREFILL_TIMED_STEPS = 4
+"""Prefill steps timed, without the profiler, when ``--profile-steps`` starts."""
 PREFILL_PROFILE_STEPS = 3
-"""Prefill steps profiled at the start of ``--profile-steps`` (full-budget chunks of the burst)."""
+"""Prefill steps profiled next (full-budget chunks of the burst)."""
 
 
 def profiled(llm: Any, steps: int, e: dict[str, Any], out: Path, name: str, head: str) -> None:
@@ -360,9 +362,9 @@ def profiled(llm: Any, steps: int, e: dict[str, Any], out: Path, name: str, head
 def step_profile(
     llm: Any, args: argparse.Namespace, vocab: int, e: dict[str, Any], out: Path
 ) -> dict[str, Any]:
-    """The first burst's size of cold prompts, stepped by hand: the first prefill steps under
-    the profiler; then, once every request decodes, K timed decode steps and K more under the
-    profiler. The rest is aborted."""
+    """The first burst's size of cold prompts, stepped by hand: the first prefill steps timed,
+    the next under the profiler; then, once every request decodes, K timed decode steps and K
+    more under the profiler. The rest is aborted."""
     from vllm import SamplingParams
 
     n = parse_burst(args.burst[0])[0]
@@ -374,6 +376,11 @@ def step_profile(
         prompt = random_prompt(SEED_PROFILE + i, args.burst_len, vocab)
         engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
     tag = f"{e['config']}_{e['max_num_seqs']}"
+    prefill_ms = []
+    for _ in range(PREFILL_TIMED_STEPS):
+        start = time.perf_counter()
+        engine.step()
+        prefill_ms.append((time.perf_counter() - start) * 1000)
     start = time.perf_counter()
     profiled(
         llm,
@@ -398,11 +405,15 @@ def step_profile(
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    log(f"  profile: {step_ms:.2f} ms per decode step at {n} requests; tables profile_{tag}*.txt")
+    log(
+        f"  profile: prefill steps {', '.join(f'{t:.0f}' for t in prefill_ms)} ms; "
+        f"{step_ms:.2f} ms per decode step at {n} requests; tables profile_{tag}*.txt"
+    )
     return {
         "requests": n,
         "steps": k,
         "decode_step_ms": step_ms,
+        "prefill_step_ms": prefill_ms,
         "prefill_profiled_s": prefill_s,
         "tables": [f"profile_{tag}_prefill.txt", f"profile_{tag}.txt"],
     }

@@ -124,4 +124,5 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        """After the forward pass is launched: the step's write-through batches go now."""
+        self.worker.issue_writes()

@@ -9,11 +9,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_hpc.faults import SLOW_COPY_STEPS, armed
-from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
+from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
@@ -37,6 +38,21 @@ class CacheCopyError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class _WritesDue:
+    """A step's write-through batches, bound before its forward pass and issued after it has
+    been launched, behind ``ready`` (the compute stream's position at the bind).
+
+    Issued before the forward pass, a prefill step's thousands of small copies, each waiting
+    for the step before, filled the driver's launch queue; the pass's kernels then queued
+    behind them, and the GPU sat idle between prefill steps until they were all submitted
+    (H200 profile: 55 ms a step, `benchmarks/results/gpu_load.md`). vLLM starts its own
+    connectors' asynchronous loads after the forward launch for the same reason."""
+
+    writes: list[HostWrite]
+    ready: torch.cuda.Event | None
+
+
+@dataclass(frozen=True, slots=True)
 class _WriteInFlight:
     batch: int
     handle: TransferHandle
@@ -52,6 +68,7 @@ class ConnectorWorker:
         """The host tier's copies, timed."""
         self._pool: Any = None
         self._arena: HostArena | None = None
+        self._due: _WritesDue | None = None
         self._writing: list[_WriteInFlight] = []
         self._steps = 0
         self._restores: list[RestoreHandle] = []
@@ -90,6 +107,7 @@ class ConnectorWorker:
         pool.restores = self._restores
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
+        self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)
         self._steps += 1
         # Later kernels must not overtake the previous step's restores, wherever they read.
         for handle in [*self._restores, *self._prefetches]:
@@ -111,11 +129,9 @@ class ConnectorWorker:
         arena = self._arena
         if arena is None:
             return
+        if connector_metadata.host_writes:
+            self._due = _WritesDue(list(connector_metadata.host_writes), arena.mark())
         try:
-            for write in connector_metadata.host_writes:
-                written = arena.write(write.blocks, write.images)
-                self._writing.append(_WriteInFlight(write.batch, written, self._steps))
-                self.meter.track("write", written)
             for restore in connector_metadata.host_restores:
                 self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
             for prefetch in connector_metadata.prefetches:
@@ -133,9 +149,26 @@ class ConnectorWorker:
             for handle in self._restores:
                 handle.wait_all()
 
+    def issue_writes(self) -> None:
+        """Issue the bound step's write-through batches (`_WritesDue`): after its forward pass
+        has been launched, or at the latest before the next step binds."""
+        due, self._due = self._due, None
+        if due is None or self._arena is None:
+            return
+        try:
+            for write in due.writes:
+                written = self._arena.write(write.blocks, write.images, after=due.ready)
+                self._writing.append(_WriteInFlight(write.batch, written, self._steps))
+                self.meter.track("write", written)
+        except Exception as error:
+            raise CacheCopyError(
+                "host tier: a copy between the device and the host", error
+            ) from error
+
     def clear_connector_metadata(self) -> None:
         """After the step's forward pass: its in-pass captures are saved, and a later pass
         (a warm-up, a dummy run) must not save them again over the slots."""
+        self.issue_writes()
         if self._pool is not None:
             self._pool.in_pass = None
 

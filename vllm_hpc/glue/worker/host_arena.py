@@ -222,18 +222,31 @@ class HostArena:
 
     # -- batches ----------------------------------------------------------------------------
 
+    def mark(self) -> torch.cuda.Event | None:
+        """The compute stream's position now (CUDA): a `write` given it copies what the work
+        queued so far wrote, and no later kernel's output."""
+        if self._cuda is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.layout.device))
+        return event
+
     def write(
-        self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
+        self,
+        blocks: Sequence[PageSlab] = (),
+        images: Sequence[ImageCopy] = (),
+        after: torch.cuda.Event | None = None,
     ) -> TransferHandle:
         """Write-through, device -> host, in one batch (a snapshot's tail page is one of the
-        ``blocks``). Fault point `host_write`: the batch fails before any copy is issued."""
+        ``blocks``), behind ``after`` (a `mark`) or else behind all the compute stream's queued
+        work. Fault point `host_write`: the batch fails before any copy is issued."""
         if armed("host_write"):
             raise InjectedFault("injected write-through failure")
         steps = self._layer_steps(self._runs(blocks), images, to_host=True)
         nbytes = _bytes(steps)
         self.stats.write_batches += 1
         self.stats.bytes_written += nbytes
-        _, timing = self._issue(steps, 0, events_per_step=False)
+        _, timing = self._issue(steps, 0, events_per_step=False, after=after)
         return TransferHandle(nbytes, timing, self.layout.device)
 
     def restore(
@@ -354,10 +367,14 @@ class HostArena:
     # -- issuing ----------------------------------------------------------------------------
 
     def _issue(
-        self, steps: list[_Step], stream_index: int, events_per_step: bool
+        self,
+        steps: list[_Step],
+        stream_index: int,
+        events_per_step: bool,
+        after: torch.cuda.Event | None = None,
     ) -> tuple[list[torch.cuda.Event], CopyTiming]:
-        """Run the steps in order; on CUDA, on the chosen stream behind the compute stream's
-        queued work, with an event after each step (or only after the last)."""
+        """Run the steps in order; on CUDA, on the chosen stream behind ``after`` or the
+        compute stream's queued work, with an event after each step (or only after the last)."""
         self.stats.copies += sum(len(step.copies) for step in steps)
         if self._cuda is None or self._streams is None:
             started = time.perf_counter()
@@ -366,7 +383,10 @@ class HostArena:
                     _view(copy.dst, copy).copy_(_view(copy.src, copy))
             return [], CopyTiming(cpu_seconds=time.perf_counter() - started)
         stream = self._streams[stream_index]
-        stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        else:
+            stream.wait_event(after)
         if armed("host_slow"):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLOW_COPY_CYCLES)

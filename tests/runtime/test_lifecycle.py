@@ -48,9 +48,11 @@ def test_media_keys_the_blocks_an_item_touches_and_the_blocks_after_it() -> None
     assert run(cache, tokens, media=item(b"a" * 16)).frontier == 896
 
 
-def _admit(cache: HybridPrefixCache, request_id: str, tokens: list[int]) -> Lane | None:
+def _admit(
+    cache: HybridPrefixCache, request_id: str, tokens: list[int], max_output: int = 0
+) -> Lane | None:
     """Admit a request and schedule its whole prompt as one chunk; None when it must wait."""
-    info = RequestInfo(request_id, tokens, len(tokens))
+    info = RequestInfo(request_id, tokens, len(tokens), max_output_tokens=max_output)
     cache.new_step()
     lookup = cache.lookup(info)
     lane = cache.admit(info, lookup, len(tokens) - lookup.frontier)
@@ -136,3 +138,31 @@ def test_a_request_ended_with_steps_in_flight_keeps_only_what_its_tokens_name() 
         after = run(cache, [*known, *prompt(40, seed=23)], request_id="next")
         assert (after.frontier == len(known)) is resumed_at_end
         assert after.frontier <= len(known)
+
+
+def test_an_admission_leaves_the_running_requests_room_to_decode() -> None:
+    """A running request may still take its decode reserve (256 tokens, 4 pages here): a new
+    request that fits only by taking that room waits until the first finishes; one that leaves
+    it, or needs none of its own, is admitted. Alone, a request never waits on a reserve."""
+    cache = make_cache(pages=20)
+    first = prompt(256, seed=1)
+    running = _admit(cache, "first", first, max_output=1000)
+    assert running is not None
+    reserve = 256 // BLOCK_TOKENS
+    room = cache.index.available_pages - ROW_PAGES - 2 * reserve  # the owed and its own
+    tight = prompt((room + 1) * BLOCK_TOKENS, seed=2)
+    assert _admit(cache, "tight", tight, max_output=reserve * BLOCK_TOKENS) is None
+    admitted = _admit(cache, "short", tight, max_output=0)  # no output of its own to reserve
+    assert admitted is not None
+    cache.finish(admitted, tight, 0)
+    cache.commit(running, first, len(first))
+    cache.finish(running, first, len(first))
+    cache.new_step()
+    cache.take_plan()
+    alone = _admit(cache, "tight", tight, max_output=reserve * BLOCK_TOKENS)
+    assert alone is not None
+    cache.finish(alone, tight, 0)
+    cache.new_step()
+    cache.take_plan()
+    cache.new_step()
+    cache.audit()

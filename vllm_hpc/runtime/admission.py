@@ -177,7 +177,9 @@ class Admission:
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
     ) -> Lane | None:
-        """Take a state row, the source and pages for the first chunk; None: no room now."""
+        """Take a state row, the source and pages for the first chunk; None: no room now,
+        counting the decode pages the running requests are still owed and its own
+        (`RuntimeConfig.decode_reserve_tokens`)."""
         if len(self.live) >= self.config.active_cap:
             return None
         frontier = lookup.frontier
@@ -190,6 +192,13 @@ class Admission:
         need = pages_for(end) - frontier // BLOCK_TOKENS + self.index.row_pages
         if quote is None and need > self.index.available_pages:
             return None
+        n = request.num_prompt_tokens
+        reserve_end = n + min(request.max_output_tokens, self.config.decode_reserve_tokens)
+        if self.live:  # alone, a request takes what there is: it never waits on a reserve
+            owed = sum(owed_pages(lane) for lane in self.live)
+            own = pages_for(reserve_end) - pages_for(n)
+            if need + own + owed > self.index.available_pages:
+                return None
         slot = self.index.take_state_row(quote)
         if slot is None:
             return None
@@ -226,6 +235,7 @@ class Admission:
             taps=list(lookup.taps),
             newest_frontier=frontier,
             from_host=from_host,
+            reserve_end=reserve_end,
         )
         self.live.add(lane)
         if request.request_id in self._waited:
@@ -299,6 +309,12 @@ class Admission:
         if not pages:
             raise RuntimeError("a quoted admission found no page")
         return pages[0]
+
+
+def owed_pages(lane: Lane) -> int:
+    """Decode pages of its reserve that a running request has not taken yet."""
+    taken = max(len(lane.pages), pages_for(lane.num_prompt_tokens))
+    return max(0, pages_for(lane.reserve_end) - taken)
 
 
 def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:

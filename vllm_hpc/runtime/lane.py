@@ -59,6 +59,9 @@ class Lane:
     """Frontier of its newest snapshot, resumed or captured (endpoint eligibility, §7.7)."""
     from_host: bool = False
     """Its resume restored something from the host tier."""
+    reserve_end: int = 0
+    """Tokens its pages may grow to before new admissions may take the room: its prompt and
+    up to `RuntimeConfig.decode_reserve_tokens` of output."""
 
     @property
     def caching(self) -> bool:

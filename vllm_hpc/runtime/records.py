@@ -36,6 +36,11 @@ class RuntimeConfig:
     in_pass_taps: bool = False
     """The workers capture states inside a prefill pass, at 64-token offsets (CUDA's GDN kernel
     computes them anyway): taps there need no chunk split."""
+    decode_reserve_tokens: int = 256
+    """Output tokens of each running request whose pages a new admission leaves free. Pages are
+    taken 64 tokens at a time, so without a reserve a full pool admits requests that then run
+    out mid-decode and are preempted (1,024 requests on the H200: 132 preemptions against
+    native's 13, whose 400-token blocks reserve about 200 tokens a request on average)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class RequestInfo:
     read_cache: bool = True
     media: tuple[MediaItem, ...] = ()
     """The prompt's media items (images, videos): their identity keys the blocks they touch."""
+    max_output_tokens: int = 0
+    """The most tokens it may generate (vLLM's max_tokens): bounds its decode reserve."""
 
 
 @dataclass(frozen=True)

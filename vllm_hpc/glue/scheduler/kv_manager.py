@@ -368,4 +368,5 @@ def request_info(request: Any, keys: PromptKeys) -> RequestInfo:
         breakpoints=breakpoints,
         template_hints=keys.template_hints,
         read_cache=not request.skip_reading_prefix_cache,
+        max_output_tokens=request.max_tokens,
     )

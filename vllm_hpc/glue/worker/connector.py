@@ -56,6 +56,13 @@ class ConnectorWorker:
         self._steps = 0
         self._restores: list[RestoreHandle] = []
         self._prefetches: list[RestoreHandle] = []
+        self.failed: CacheCopyError | None = None
+        """The copy error this worker stopped on: its host tier is not saved (§5.5)."""
+
+    @property
+    def arena(self) -> HostArena | None:
+        """The host tier's slabs (None without one)."""
+        return self._arena
 
     def stats(self) -> HybridPrefixStats | None:
         return self.meter.read()
@@ -103,9 +110,7 @@ class ConnectorWorker:
             try:
                 pool.copy(connector_metadata.state_copies)
             except Exception as error:
-                raise CacheCopyError(
-                    "device state pool: a copy between state slots", error
-                ) from error
+                raise self._fail("device state pool: a copy between state slots", error) from error
         captures = connector_metadata.in_pass
         pool.in_pass = StepCaptures.build(captures, pool.device) if captures else None
         arena = self._arena
@@ -121,9 +126,7 @@ class ConnectorWorker:
             for prefetch in connector_metadata.prefetches:
                 self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
-            raise CacheCopyError(
-                "host tier: a copy between the device and the host", error
-            ) from error
+            raise self._fail("host tier: a copy between the device and the host", error) from error
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
         if self._restores and _full_graph_follows():
@@ -132,6 +135,16 @@ class ConnectorWorker:
             # short; let it start behind the whole restore (stream waits, no host sync).
             for handle in self._restores:
                 handle.wait_all()
+
+    def _fail(self, what: str, error: BaseException) -> CacheCopyError:
+        self.failed = CacheCopyError(what, error)
+        return self.failed
+
+    def land_writes(self) -> None:
+        """Block until every write-through batch issued has landed; the next step reports
+        them (an orderly stop, before the host tier is saved)."""
+        for write in self._writing:
+            write.handle.synchronize()
 
     def clear_connector_metadata(self) -> None:
         """After the step's forward pass: its in-pass captures are saved, and a later pass

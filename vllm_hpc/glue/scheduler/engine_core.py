@@ -4,12 +4,18 @@ before the workers stop (§5.5).
 Only the engine core reaches the workers (its executor's `collective_rpc`), and it shuts the
 executor down before the scheduler (`EngineCore.shutdown`: executor, then scheduler and its
 KV connector), so neither the scheduler nor the connector could still ask a worker for its
-slab bytes in their own `shutdown`. Wrapping `EngineCore.__init__` and `EngineCore.shutdown`
-covers every way an engine starts and stops with one hook each, in every executor (uniproc
-on CPU, multiprocess for TP later): `LLM` and `AsyncLLM` shutdown or deletion (in process or
-not), and `vllm serve` on SIGTERM or SIGINT (vLLM's engine-core process turns the signal into
-an orderly exit whose `finally` calls `shutdown`). An engine core that died of an error
-(`_send_engine_dead`) or whose executor failed saves nothing.
+slab bytes in their own `shutdown`. So the file is saved in a wrapper of `EngineCore.shutdown`,
+which every orderly stop reaches in every executor (uniproc, multiprocess): `LLM` and
+`AsyncLLM` shutdown or deletion (in process or not), and `vllm serve` on SIGTERM or SIGINT
+(vLLM's engine-core process turns the signal into an orderly exit whose `finally` calls
+`shutdown`). An engine core that died of an error (`_send_engine_dead`) or whose executor
+failed saves nothing.
+
+The file is loaded once the engine core is built and before it takes a request. An engine core
+in this process (`LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0) is built after the plugin loaded:
+a wrapper of `EngineCore.__init__` loads it. A fresh engine-core process loads the plugin from
+inside `EngineCore.__init__` (vLLM's `load_general_plugins`), too late to wrap that call: there
+the wrapper of `EngineCoreProc.run_busy_loop` loads it, before the loop reads its first request.
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ _installed = False
 
 
 def install_engine_core_hooks() -> None:
-    """Wrap the three methods once per process (vLLM calls `register` more than once)."""
+    """Wrap the methods once per process (vLLM calls `register` more than once)."""
     global _installed
     if _installed:
         return
-    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
 
     original_init: Callable[..., None] = EngineCore.__init__
     original_shutdown: Callable[[Any], None] = EngineCore.shutdown
@@ -39,9 +45,10 @@ def install_engine_core_hooks() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        cache_file = _cache_file(self)
-        if cache_file is not None:
-            cache_file.restore(partial(_rpc, self))
+        _restore_once(self)
+
+    for cls in (EngineCoreProc, DPEngineCoreProc):  # each defines its own loop
+        cls.run_busy_loop = _restoring_first(cls.run_busy_loop)
 
     def shutdown(self: Any) -> None:
         cache_file = _cache_file(self)
@@ -62,6 +69,21 @@ def install_engine_core_hooks() -> None:
     EngineCore.shutdown = shutdown
     EngineCoreProc._send_engine_dead = _send_engine_dead
     _installed = True
+
+
+def _restoring_first(run_busy_loop: Callable[[Any], None]) -> Callable[[Any], None]:
+    def wrapper(self: Any) -> None:
+        _restore_once(self)
+        run_busy_loop(self)
+
+    return wrapper
+
+
+def _restore_once(core: Any) -> None:
+    cache_file = _cache_file(core)
+    if cache_file is not None and not getattr(core, "_hpc_restored", False):
+        core._hpc_restored = True
+        cache_file.restore(partial(_rpc, core))
 
 
 def _cache_file(core: Any) -> PrefixCacheFile | None:

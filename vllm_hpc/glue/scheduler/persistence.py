@@ -16,10 +16,15 @@ temporary file, renamed once every rank is done) and read its own.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.persistence import (
     SlabTransfer,
     land_host_writes,
@@ -91,12 +96,19 @@ class PrefixCacheFile:
         if failure is not None:
             logger.warning("prefix cache not saved (%s): the previous file stays", failure)
             return
+        with stop_signals_caught(_forward_to_workers) as abandoned:
+            self._save(rpc, idle_step, abandoned)
+
+    def _save(self, rpc: Rpc, idle_step: Callable[[], None], abandoned: threading.Event) -> None:
         started = time.perf_counter()
         for _ in range(SETTLE_STEPS):
-            if self.cache.settled:
+            if self.cache.settled or abandoned.is_set():
                 break
             rpc(land_host_writes)
             idle_step()
+        if abandoned.is_set():
+            logger.warning("prefix cache not saved: a second stop signal; the previous file stays")
+            return
         if not self.cache.settled:
             logger.warning(
                 "prefix cache file: copies still pending after %d steps; what they carry is "
@@ -104,6 +116,13 @@ class PrefixCacheFile:
                 SETTLE_STEPS,
             )
         saved = self.cache.index.export_saved()
+        logger.info(
+            "prefix cache file: saving %d snapshots, %d blocks (%.1f MiB of slabs) to %s",
+            len(saved.snapshots),
+            len(saved.blocks),
+            len(saved.slabs) * saved.geometry.slab_bytes / 2**20,
+            self.path,
+        )
         results = rpc(save_slabs, self.path, self.fingerprint, saved)
         refused = _refusal(results)
         if refused is not None:
@@ -120,6 +139,15 @@ class PrefixCacheFile:
             seconds,
             size / 2**20 / max(seconds, 1e-9),
         )
+
+
+def _forward_to_workers(signum: int) -> None:
+    """A second stop signal reached the engine core, which waits for the workers: pass it on to
+    the worker processes, whose save then abandons (in process, the worker takes it itself)."""
+    logger.warning("prefix cache file: %s during the save", signal.Signals(signum).name)
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            os.kill(child.pid, signum)
 
 
 def _refusal(results: list[SlabTransfer]) -> str | None:

@@ -8,17 +8,18 @@ Each worker writes and reads the section of its own tensor-parallel rank.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
+from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.connector import ConnectorWorker
 from vllm_hpc.glue.worker.host_arena import HostArena
 from vllm_hpc.index import SavedCache, SlabId
@@ -49,7 +50,8 @@ def save_slabs(
     """Write the file with ``saved``'s tables and this rank's bytes of its slabs.
 
     A worker that stopped on a copy error saves nothing (the previous file stays). A SIGTERM
-    or SIGINT during the save abandons it: the temporary file goes, the previous file stays.
+    or SIGINT during the save (the engine core forwards its own) abandons it: the temporary
+    file goes, the previous file stays.
     """
     connector = _connector()
     if connector.failed is not None:
@@ -58,12 +60,12 @@ def save_slabs(
     connector.land_writes()
     started = time.perf_counter()
     try:
-        with _abandon_on_signal() as abandoned:
+        with stop_signals_caught(_abandoning) as abandoned:
             size = write_cache_file(
                 path,
                 fingerprint,
                 saved,
-                {_rank(): lambda slab: arena.slab(slab).numpy().tobytes()},
+                {_rank(): partial(_slab_bytes, arena, armed("save_slow"))},
                 progress=_progress("saving", started),
                 cancel=abandoned.is_set,
             )
@@ -89,6 +91,12 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
     seconds = time.perf_counter() - started
     nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
     return SlabTransfer(0 if refused else nbytes, seconds, refused)
+
+
+def _slab_bytes(arena: HostArena, slow: bool, slab: SlabId) -> bytes:
+    if slow:  # fault point `save_slow`
+        time.sleep(SLOW_SAVE_SECONDS)
+    return bytes(arena.slab(slab).numpy().tobytes())
 
 
 def _connector() -> ConnectorWorker:
@@ -128,26 +136,8 @@ def _progress(doing: str, started: float) -> Callable[[int, int], None]:
     return report
 
 
-@contextlib.contextmanager
-def _abandon_on_signal() -> Iterator[threading.Event]:
-    """An event set by a SIGTERM or SIGINT that arrives while the block runs (the first one
-    started the stop; vLLM has put the default handlers back by then). Only the main thread
-    can take signals; elsewhere the event is never set."""
-    abandoned = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield abandoned
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        logger.warning(
-            "prefix cache file: %s during the save: abandoning it, the previous file stays",
-            signal.Signals(signum).name,
-        )
-        abandoned.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield abandoned
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+def _abandoning(signum: int) -> None:
+    logger.warning(
+        "prefix cache file: %s during the save: abandoning it, the previous file stays",
+        signal.Signals(signum).name,
+    )

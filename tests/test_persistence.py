@@ -8,7 +8,11 @@ a cold run, with the index's audit after it.
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import signal
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -216,3 +220,28 @@ def test_a_bad_file_starts_empty_with_the_reason_logged(
             assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
         settle_and_audit(llm)
     assert isinstance(open_cache_file(path, fingerprint), CacheFile)  # the stop replaced it
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_file(
+    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A file-size limit below the new file's size during the stop: the write fails (EFBIG),
+    the temporary file goes, the previous file stays and the engine still stops."""
+    path = tmp_path / "cache.bin"
+    shutil.copy(saved.copies / "cache.bin", path)
+    before = path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    logged(caplog)
+    try:
+        with started(path) as llm:
+            assert "prefix cache restored from" in logged(caplog)
+            greedy(llm, [random_prompt(seed=40, length=600)], 8)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))  # for the stop
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "prefix cache not saved: cannot write" in logged(caplog)
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["cache.bin"]

@@ -245,3 +245,23 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_file(
     assert "prefix cache not saved: cannot write" in logged(caplog)
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["cache.bin"]
+
+
+def test_a_worker_stopped_on_a_copy_error_saves_nothing(
+    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host write fails in the worker (fault point `host_write`, armed in this process where
+    the in-process worker runs): the engine stops on the error and the previous file stays."""
+    from vllm_hpc import faults
+
+    path = tmp_path / "cache.bin"
+    shutil.copy(saved.copies / "cache.bin", path)
+    before = path.read_bytes()
+    logged(caplog)
+    with started(path) as llm:
+        monkeypatch.setattr(faults, "_ARMED", frozenset({"host_write"}))
+        with pytest.raises(Exception, match="host tier: a copy between the device and the host"):
+            greedy(llm, [random_prompt(seed=50, length=600)], 8)
+    assert "prefix cache not saved (hybrid-prefix host tier" in logged(caplog)
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["cache.bin"]

@@ -27,6 +27,7 @@ from typing import Any
 from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.persistence import (
     SlabTransfer,
+    copy_failure,
     land_host_writes,
     load_slabs,
     save_slabs,
@@ -91,8 +92,10 @@ class PrefixCacheFile:
         )
 
     def save(self, rpc: Rpc, idle_step: Callable[[], None], failure: str | None) -> None:
-        """Let the pending copies and host writes finish, then write the file; ``failure``
-        (the engine stopped on an error) saves nothing and keeps the previous file."""
+        """Let the pending copies and host writes finish, then write the file. An engine that
+        stopped on an error (``failure``) or a worker that stopped on a copy error saves
+        nothing and keeps the previous file."""
+        failure = failure or next((f for f in rpc(copy_failure) if f is not None), None)
         if failure is not None:
             logger.warning("prefix cache not saved (%s): the previous file stays", failure)
             return

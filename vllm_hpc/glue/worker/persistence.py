@@ -39,6 +39,13 @@ class SlabTransfer:
     """Why nothing (or not everything) moved; None when it all did."""
 
 
+def copy_failure(worker: Any) -> str | None:
+    """The copy error this worker stopped on, if any: then its host tier is not saved (what a
+    failed copy left in the slabs and the index is not known to agree)."""
+    failed = _connector().failed
+    return None if failed is None else str(failed)
+
+
 def land_host_writes(worker: Any) -> None:
     """Block until this worker's write-through batches have landed (an orderly stop)."""
     _connector().land_writes()
@@ -49,13 +56,10 @@ def save_slabs(
 ) -> SlabTransfer:
     """Write the file with ``saved``'s tables and this rank's bytes of its slabs.
 
-    A worker that stopped on a copy error saves nothing (the previous file stays). A SIGTERM
-    or SIGINT during the save (the engine core forwards its own) abandons it: the temporary
-    file goes, the previous file stays.
+    A SIGTERM or SIGINT during the save (the engine core forwards its own) abandons it: the
+    temporary file goes, the previous file stays.
     """
     connector = _connector()
-    if connector.failed is not None:
-        return SlabTransfer(refused=f"this worker stopped on an error: {connector.failed}")
     arena = _arena(connector)
     connector.land_writes()
     started = time.perf_counter()

@@ -23,6 +23,7 @@ from engine_support import (
     cache_of,
     greedy,
     random_prompt,
+    running_llm,
     settle_and_audit,
     small_pool_llm,
     tokens,
@@ -265,3 +266,22 @@ def test_a_worker_stopped_on_a_copy_error_saves_nothing(
     assert "prefix cache not saved (hybrid-prefix host tier" in logged(caplog)
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["cache.bin"]
+
+
+def test_an_llm_with_its_engine_core_in_a_process_of_its_own_saves_and_restores(
+    saved: Saved, cold: Any, tmp_path: Path
+) -> None:
+    """vLLM's default `LLM`: the engine core runs in a child process, which loads the plugin
+    only while it builds the engine; its shutdown still saves, and a new one restores."""
+    path = tmp_path / "cache.bin"
+    prompt = random_prompt(seed=60, length=1200)
+    options = config(path)
+    engine = {"max_model_len": 2048, "num_gpu_blocks_override": 350, "max_num_seqs": 4}
+    with running_llm(additional_config=options, **engine) as llm:
+        answer = tokens(greedy(llm, [prompt], ANSWER)[0])
+    assert path.exists()
+    turn = prompt + answer + random_prompt(seed=61, length=80)
+    with running_llm(additional_config=options, **engine) as llm:
+        out = greedy(llm, [turn], ANSWER)[0]
+    assert out.num_cached_tokens == len(prompt) + ANSWER - 1
+    assert_same_up_to_near_tie(out, cold, turn, ANSWER)

@@ -15,7 +15,15 @@ from typing import Any
 import psutil
 import pytest
 from engine_support import random_prompt
-from openai_server import greedy_body, model_id, parting_from_cold, post, running_server
+from openai_server import (
+    greedy_body,
+    metrics,
+    model_id,
+    parting_from_cold,
+    post,
+    running_server,
+    sample,
+)
 
 from vllm_hpc.faults import FAULTS_ENV
 
@@ -81,6 +89,9 @@ def test_sigterm_saves_and_a_restart_resumes_from_the_file(
         cold = complete(base, turn, salt="cold")["choices"][0]
         parting = parting_from_cold(body["choices"][0]["token_ids"], cold)
         assert parting is None or parting.near_tie, parting.describe()
+        text = metrics(base)
+        assert sample(text, "vllm:hpc_file_restored_snapshots_total") > 0
+        assert sample(text, "vllm:hpc_file_restored_bytes_total") > 0
         core = engine_core(pid)
         os.kill(pid, signal.SIGTERM)
         wait_for(log, "prefix cache file: saving")

@@ -100,7 +100,7 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
 def _slab_bytes(arena: HostArena, slow: bool, slab: SlabId) -> bytes:
     if slow:  # fault point `save_slow`
         time.sleep(SLOW_SAVE_SECONDS)
-    return bytes(arena.slab(slab).numpy().tobytes())
+    return arena.slab(slab).numpy().tobytes()
 
 
 def _connector() -> ConnectorWorker:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +326,55 @@ def test_a_gdn_prefill_flag_and_key_that_disagree_are_refused(tiny_model_dir: Pa
     )
     with pytest.raises(OptionError, match="--gdn-prefill-backend flashinfer"):
         args.create_engine_config()
+
+
+def _cache_file_options(path: Any, **options: Any) -> PluginOptions:
+    config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 64, **options}
+    return PluginOptions.from_additional_config({**config, "prefix_cache_file": path})
+
+
+def test_prefix_cache_file_is_made_absolute(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _cache_file_options("cache.bin").prefix_cache_file == str(tmp_path / "cache.bin")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _cache_file_options("~/c.bin").prefix_cache_file == str(tmp_path / "c.bin")
+
+
+def test_prefix_cache_file_flag_reaches_additional_config(tmp_path: Path) -> None:
+    path = tmp_path / "cache.bin"
+    argv = ["--model", "m", "--kv-cache-manager", "hybrid-prefix", "--prefix-cache-file"]
+    args = _parse([*argv, str(path)])
+    assert PluginOptions.from_additional_config(args.additional_config).prefix_cache_file == (
+        str(path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("where", "options", "message"),
+    [
+        ("dir", {}, r"^--prefix-cache-file .* is a directory"),
+        ("missing/cache.bin", {}, r"^--prefix-cache-file .*: the directory .* does not exist"),
+        ("locked/cache.bin", {}, r"^--prefix-cache-file .*: this server cannot create files"),
+        ("cache.bin", {"host_cache_mib": 0}, r"^--prefix-cache-file saves the host tier.*0"),
+        ("cache.bin", {"no_prefix_reuse": True}, r"^--prefix-cache-file has no effect with"),
+        ("", {}, r"^--prefix-cache-file: expected a file path"),
+    ],
+)
+def test_prefix_cache_file_the_server_cannot_write_is_refused(
+    tmp_path: Path, where: str, options: dict[str, Any], message: str, monkeypatch: Any
+) -> None:
+    (tmp_path / "dir").mkdir()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    # Root writes anywhere: answer os.access as the server's user would for the locked one.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    path = str(tmp_path / where) if where else ""
+    with pytest.raises(OptionError, match=message):
+        _cache_file_options(path, **options)
+
+
+def test_prefix_cache_file_requires_hybrid_prefix(tmp_path: Path) -> None:
+    config = {"kv_cache_manager": "native", "prefix_cache_file": str(tmp_path / "c.bin")}
+    with pytest.raises(OptionError, match="--prefix-cache-file requires --kv-cache-manager"):
+        PluginOptions.from_additional_config(config)

@@ -149,6 +149,17 @@ def check_one_request_fits(max_model_len: int, device_pages: int, row_pages: int
         )
 
 
+SAVE_GRACE_SECONDS = 30.0
+SAVE_RATE_MIB_S = 256.0
+"""A save's grace: this long, plus a full host tier written at this rate (a slow disk's)."""
+
+
+def save_grace_seconds(host_cache_mib: int) -> float:
+    """How long a stop waits for the engine core to save the host tier before it kills it
+    (`glue/frontend/save_grace.py`): 62 s for the default 8 GiB tier."""
+    return SAVE_GRACE_SECONDS + host_cache_mib / SAVE_RATE_MIB_S
+
+
 def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
     """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
     option (0, no host tier, passes). Checked once the model's block and state sizes are known."""

@@ -14,7 +14,9 @@ Each point is documented where it fires; tests arm them in the processes they st
 - `host_slow`: every write-through batch is reported landed only `SLOW_COPY_STEPS` engine steps
   after it was issued, and on CUDA every host copy stream first sleeps `SLOW_COPY_CYCLES`, so a
   write, restore or prefetch is still in flight when a cancellation, an eviction or a reset
-  lands.
+  lands;
+- `save_slow`: every slab the prefix cache file saves first sleeps `SLOW_SAVE_SECONDS`, so a
+  second stop signal or a kill lands in the middle of a save.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ FAULTS_ENV = "VLLM_HPC_FAULTS"
 SLOW_COPY_STEPS = 8
 SLOW_COPY_CYCLES = 100_000_000
 """About 50 ms of GPU clock on an H200 (`torch.cuda._sleep`)."""
+SLOW_SAVE_SECONDS = 0.01
 _ARMED = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
 
 

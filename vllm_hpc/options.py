@@ -12,13 +12,12 @@ same options with exactly the same checks:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from pathlib import Path
+from typing import Any
 
 
 class OptionError(ValueError):
@@ -88,6 +87,14 @@ def _share(flag: str, value: Any) -> float:
     if not 0.0 <= share <= 1.0:
         raise OptionError(f"{flag}: must be from 0 to 1, got {share}")
     return share
+
+
+def _path(flag: str, value: Any) -> str:
+    """An absolute path (``~`` expanded, relative to the working directory at start-up), so
+    every process of the engine names the same file whatever its own working directory."""
+    if not isinstance(value, str | os.PathLike) or not str(value).strip():
+        raise OptionError(f"{flag}: expected a file path, got {value!r}")
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
 def _switch(flag: str, value: Any) -> bool:
@@ -191,6 +198,19 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         parse=_count(1),
     ),
     OptionSpec(
+        key="prefix_cache_file",
+        flag="--prefix-cache-file",
+        help=(
+            "Save the host tier to this file at an orderly stop (SIGTERM, SIGINT, engine "
+            "shutdown) and restore it at start-up, before the first request, when the file "
+            "was saved by the same model, dtypes and versions; a file that does not fit is "
+            "logged and ignored. Written atomically (a temporary file in the same directory, "
+            "renamed), readable by its owner only. Needs a host tier (--host-cache-mib). "
+            + _HYBRID_ONLY
+        ),
+        parse=_path,
+    ),
+    OptionSpec(
         key="no_prefix_reuse",
         flag="--no-prefix-reuse",
         help="Serve without any prefix reuse: nothing is cached or looked up. " + _HYBRID_ONLY,
@@ -222,6 +242,8 @@ class PluginOptions:
     cache_audit_rate: float = 0.0
     cache_audit_tokens: int = 8
     no_prefix_reuse: bool = False
+    prefix_cache_file: str | None = None
+    """Absolute (`_path`)."""
 
     @property
     def hybrid_prefix(self) -> bool:
@@ -269,9 +291,27 @@ class PluginOptions:
                     "cache_tap_min_gap",
                     "cache_audit_rate",
                     "cache_audit_tokens",
+                    "prefix_cache_file",
                 }
             )
             if tap_options:
                 raise OptionError(
                     f"{_SPECS[tap_options[0]].flag} has no effect with --no-prefix-reuse"
                 )
+        if self.prefix_cache_file is not None:
+            _check_cache_file(self.prefix_cache_file, self.host_cache_mib)
+
+
+def _check_cache_file(path: str, host_cache_mib: int) -> None:
+    """Refuse, at start-up rather than at the first save, a file the server could never
+    write: a save creates a temporary file beside it and renames it into place."""
+    flag = _SPECS["prefix_cache_file"].flag
+    if host_cache_mib == 0:
+        raise OptionError(f"{flag} saves the host tier, and --host-cache-mib 0 has none")
+    target = Path(path)
+    if target.is_dir():
+        raise OptionError(f"{flag} {path} is a directory; name a file in it")
+    if not target.parent.is_dir():
+        raise OptionError(f"{flag} {path}: the directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise OptionError(f"{flag} {path}: this server cannot create files in {target.parent}")

@@ -31,10 +31,14 @@ def register() -> None:
 
     from vllm_hpc.glue.architecture import register_models
     from vllm_hpc.glue.frontend.engine_args import CONNECTOR, install_engine_args_hooks
+    from vllm_hpc.glue.frontend.save_grace import install_save_grace
     from vllm_hpc.glue.frontend.token_ids import install_token_id_check
     from vllm_hpc.glue.sampling import install_sampling_params_hook
+    from vllm_hpc.glue.scheduler.engine_core import install_engine_core_hooks
 
     install_engine_args_hooks()
+    install_engine_core_hooks()
+    install_save_grace()
     install_sampling_params_hook()
     install_token_id_check()
     register_models()

@@ -13,7 +13,13 @@ import pytest
 
 from tests.index.harness import BLOCK, Harness, make_index, toks
 from vllm_hpc.index import SavedCache, SlabId
-from vllm_hpc.persistence import FORMAT_VERSION, CacheFile, open_cache_file, write_cache_file
+from vllm_hpc.persistence import (
+    FORMAT_VERSION,
+    CacheFile,
+    open_cache_file,
+    remove_temporaries,
+    write_cache_file,
+)
 
 FINGERPRINT = {
     "model": "tiny-qwen3.5",
@@ -261,3 +267,36 @@ def test_cancel_abandons_the_save(tmp_path: Path, after: int) -> None:
     assert write(path, saved, cancel=cancel) is None
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["cache.bin"]
     assert len(asked) == after + 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
+def test_a_save_killed_leaves_the_previous_file_and_a_temporary_the_next_start_removes(
+    tmp_path: Path,
+) -> None:
+    """kill -9 in the middle of a save: no cleanup runs, the previous file is intact and the
+    temporary beside it is what `remove_temporaries` finds (and nothing else)."""
+    path, before = previous_file(tmp_path)
+    (tmp_path / "other.tmp").write_bytes(b"not ours")
+    script = f"""
+import os, signal
+from pathlib import Path
+from tests.persistence.test_cache_file import build_save, slab_bytes_of, FINGERPRINT
+from vllm_hpc.persistence import write_cache_file
+written = []
+def source(slab):
+    written.append(slab)
+    if len(written) == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return slab_bytes_of(slab)
+write_cache_file(Path({str(path)!r}), FINGERPRINT, build_save(), {{0: source}})
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True)
+    assert done.returncode == -9, done.stderr
+    assert path.read_bytes() == before
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 3 and left[0].startswith(".cache.bin.") and left[0].endswith(".tmp")
+    assert [p.name for p in remove_temporaries(path)] == [left[0]]
+    assert sorted(os.listdir(tmp_path)) == ["cache.bin", "other.tmp"]
+    assert isinstance(open_cache_file(path, FINGERPRINT), CacheFile)

@@ -9,6 +9,7 @@ from vllm_hpc.persistence.cache_file import (
     CacheFile,
     Section,
     open_cache_file,
+    remove_temporaries,
     write_cache_file,
 )
 from vllm_hpc.persistence.tables import decode_tables, encode_tables
@@ -20,5 +21,6 @@ __all__ = [
     "decode_tables",
     "encode_tables",
     "open_cache_file",
+    "remove_temporaries",
     "write_cache_file",
 ]

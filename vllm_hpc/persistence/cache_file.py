@@ -20,6 +20,7 @@ failed or cancelled save leaves the previous file as it was.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import struct
@@ -156,7 +157,9 @@ def write_cache_file(
     data_offset = _align(_PRELUDE.size + len(header))
     total = data_offset + data_bytes
     meter = _Meter(total, progress)
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, temporary = tempfile.mkstemp(
+        dir=target.parent, prefix=_temporary_prefix(target), suffix=_TMP
+    )
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as file:
             _pad_write(file, _PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
@@ -192,6 +195,19 @@ def write_cache_file(
     _fsync_directory(target.parent)
     meter.done()
     return total
+
+
+def remove_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files a save killed before its rename left beside ``path`` (the
+    previous file is intact), and name them. Only for an engine that owns ``path``: another
+    engine's save in progress would lose its temporary file."""
+    target = Path(path)
+    removed = []
+    for temporary in target.parent.glob(f"{glob.escape(_temporary_prefix(target))}*{_TMP}"):
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+            removed.append(temporary)
+    return removed
 
 
 def open_cache_file(
@@ -291,6 +307,13 @@ class _Meter:
     def done(self) -> None:
         if self.progress:
             self.progress(self.total, self.total)
+
+
+_TMP = ".tmp"
+
+
+def _temporary_prefix(target: Path) -> str:
+    return f".{target.name}."
 
 
 def _align(offset: int) -> int:

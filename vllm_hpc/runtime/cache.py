@@ -41,10 +41,12 @@ from vllm_hpc.runtime.records import InfeasibleRequest, Lookup, RequestInfo, Run
 from vllm_hpc.runtime.telemetry import (
     ADMISSION,
     AUDIT,
+    FILE,
     HOST,
     INDEX,
     AdmissionCounters,
     AuditCounters,
+    FileCounters,
     HostCounters,
 )
 
@@ -60,6 +62,8 @@ class HybridPrefixCache:
         self.captures = Captures(self.index, self.pipeline, self.admission, config.in_pass_taps)
         self.audits = AuditCounters()
         """Kept by the glue's cache audit, reported with the rest."""
+        self.file = FileCounters()
+        """Kept by the glue's prefix cache file, reported with the rest."""
 
     @property
     def admissions(self) -> AdmissionCounters:
@@ -80,6 +84,12 @@ class HybridPrefixCache:
 
     def take_plan(self) -> StepPlan:
         return self.pipeline.take_plan()
+
+    @property
+    def settled(self) -> bool:
+        """No capture waits to publish and no copy waits to be handed out or to land: what
+        the index says is host-resident is all there will be (a save waits for this)."""
+        return self.pipeline.idle and not self.captures.retiring
 
     def complete_writes(self, batches: Sequence[int]) -> None:
         self.pipeline.complete_writes(batches)
@@ -131,6 +141,7 @@ class HybridPrefixCache:
         values.update({m.name: getattr(self.admissions, m.name) for m in ADMISSION})
         values.update({m.name: getattr(self.host, m.name.removeprefix("host_")) for m in HOST})
         values.update({m.name: getattr(self.audits, m.name) for m in AUDIT})
+        values.update({m.name: getattr(self.file, m.name) for m in FILE})
         values["snapshots"] = len(store.snapshots)
         values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
         values["active_slots_used"] = len(self.admission.live)

@@ -189,6 +189,20 @@ class StepPipeline:
         return {p for _, pages in self._quarantine for p in pages}
 
     @property
+    def idle(self) -> bool:
+        """Nothing deferred, planned (rows to zero aside), landing or being written."""
+        plan = self.plan
+        planned = (
+            plan.state_copies
+            or plan.in_pass
+            or plan.page_copies
+            or plan.host_writes
+            or plan.host_restores
+            or plan.prefetches
+        )
+        return not (self._deferred or planned or self.transfers_pending)
+
+    @property
     def transfers_pending(self) -> int:
         """Index transfers this pipeline will complete: restores, prefetches, writes."""
         writing = sum(len(records) for records in self._writing.values())

@@ -42,6 +42,17 @@ class AuditCounters:
     """The same, resumed with a restore from the host tier."""
 
 
+@dataclass(slots=True)
+class FileCounters:
+    """What start-up restored from ``--prefix-cache-file`` (§5.5). A save has no counters: it
+    runs as the engine stops, after the last scrape."""
+
+    file_restored_snapshots: int = 0
+    file_restored_blocks: int = 0
+    file_restored_bytes: int = 0
+    file_load_milliseconds: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Metric:
     """One value the cache reports, and the Prometheus series that shows it (`glue/metrics.py`
@@ -153,7 +164,30 @@ AUDIT = (
     ),
 )
 """`AuditCounters` fields."""
-COUNTERS = ADMISSION + INDEX + HOST + AUDIT
+FILE = (
+    Metric(
+        "file_restored_snapshots",
+        "vllm:hpc_file_restored_snapshots",
+        "Snapshots restored from --prefix-cache-file at start-up",
+    ),
+    Metric(
+        "file_restored_blocks",
+        "vllm:hpc_file_restored_blocks",
+        "KV blocks restored from --prefix-cache-file at start-up",
+    ),
+    Metric(
+        "file_restored_bytes",
+        "vllm:hpc_file_restored_bytes",
+        "Host tier bytes restored from --prefix-cache-file at start-up",
+    ),
+    Metric(
+        "file_load_milliseconds",
+        "vllm:hpc_file_load_milliseconds",
+        "Milliseconds the start-up load of --prefix-cache-file took",
+    ),
+)
+"""`FileCounters` fields."""
+COUNTERS = ADMISSION + INDEX + HOST + AUDIT + FILE
 """The cache's monotonic counters."""
 WORKER_COUNTERS = _by(
     "what",

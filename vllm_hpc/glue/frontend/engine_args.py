@@ -80,6 +80,12 @@ def install_engine_args_hooks(unsupported: UnsupportedVLLMVersion | None = None)
         if not options.hybrid_prefix:
             return original_create(self, *args, **kwargs)
         configure_engine_args(self)
+        if options.prefix_cache_file is not None:
+            # Resolved once here, so every process of the engine names the same file.
+            self.additional_config = {
+                **self.additional_config,
+                "prefix_cache_file": options.prefix_cache_file,
+            }
         vllm_config = original_create(self, *args, **kwargs)
         # Like vLLM's own diffusion schedulers: chosen once async scheduling is settled.
         scheduler = vllm_config.scheduler_config

@@ -73,6 +73,13 @@ class ConnectorWorker:
         self._steps = 0
         self._restores: list[RestoreHandle] = []
         self._prefetches: list[RestoreHandle] = []
+        self.failed: CacheCopyError | None = None
+        """The copy error this worker stopped on: its host tier is not saved (§5.5)."""
+
+    @property
+    def arena(self) -> HostArena | None:
+        """The host tier's slabs (None without one)."""
+        return self._arena
 
     def stats(self) -> HybridPrefixStats | None:
         return self.meter.read()
@@ -121,9 +128,7 @@ class ConnectorWorker:
             try:
                 pool.copy(connector_metadata.state_copies)
             except Exception as error:
-                raise CacheCopyError(
-                    "device state pool: a copy between state slots", error
-                ) from error
+                raise self._fail("device state pool: a copy between state slots", error) from error
         captures = connector_metadata.in_pass
         pool.in_pass = StepCaptures.build(captures, pool.device) if captures else None
         arena = self._arena
@@ -137,9 +142,7 @@ class ConnectorWorker:
             for prefetch in connector_metadata.prefetches:
                 self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
-            raise CacheCopyError(
-                "host tier: a copy between the device and the host", error
-            ) from error
+            raise self._fail("host tier: a copy between the device and the host", error) from error
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
         if self._restores and _full_graph_follows():
@@ -161,9 +164,18 @@ class ConnectorWorker:
                 self._writing.append(_WriteInFlight(write.batch, written, self._steps))
                 self.meter.track("write", written)
         except Exception as error:
-            raise CacheCopyError(
-                "host tier: a copy between the device and the host", error
-            ) from error
+            raise self._fail("host tier: a copy between the device and the host", error) from error
+
+    def _fail(self, what: str, error: BaseException) -> CacheCopyError:
+        self.failed = CacheCopyError(what, error)
+        return self.failed
+
+    def land_writes(self) -> None:
+        """Issue the bound writes, then block until every write-through batch has landed; the
+        next step reports them (an orderly stop, before the host tier is saved)."""
+        self.issue_writes()
+        for write in self._writing:
+            write.handle.synchronize()
 
     def clear_connector_metadata(self) -> None:
         """After the step's forward pass: its in-pass captures are saved, and a later pass

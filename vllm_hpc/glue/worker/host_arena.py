@@ -204,6 +204,14 @@ class HostArena:
         """Unpin the chunks now (otherwise when the arena is collected)."""
         self._release()
 
+    def slab(self, slab: int) -> torch.Tensor:
+        """One slab's bytes, a uint8 view into its chunk: what the prefix cache file saves and
+        loads (§5.5). Only for slabs no copy in flight touches."""
+        if not 0 <= slab < self.grid.capacity:
+            raise IndexError(f"slab {slab} out of range")
+        chunk, offset = self.grid.location(slab)
+        return self.chunks[chunk][offset : offset + self.grid.slab_bytes]
+
     def _allocate(self, index: int, nbytes: int) -> torch.Tensor:
         what = f"host tier chunk {index} ({nbytes / 2**30:.2f} GiB)"
         try:

@@ -1,0 +1,157 @@
+"""The scheduler's half of the prefix cache file (§5.5): what is saved and loaded, and the log.
+
+The index lives here, in the engine core; the slab bytes live in the workers' host tiers. So a
+load opens the file and checks it here (header, fingerprint, tables, checksum lists: no slab
+bytes), rebuilds the entries host-only in the index, then has each worker read its own slab
+bytes into the slabs the index gave them (`glue/worker/persistence.py`). A save lets the
+pending copies run and every host write land, exports the tables, and has the worker write the
+file with its slab bytes. Both reach the workers through the engine core's `collective_rpc`
+(`glue/scheduler/engine_core.py` calls in at start-up and at shutdown).
+
+Tensor parallelism is refused by the plugin today; the file already has one slab section per
+rank. With more ranks, each worker would write its section at the offset the tables fix (one
+temporary file, renamed once every rank is done) and read its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_hpc.glue.stop_signals import stop_signals_caught
+from vllm_hpc.glue.worker.persistence import (
+    SlabTransfer,
+    copy_failure,
+    land_host_writes,
+    load_slabs,
+    save_slabs,
+)
+from vllm_hpc.persistence import open_cache_file, remove_temporaries
+from vllm_hpc.runtime.cache import HybridPrefixCache
+
+logger = logging.getLogger("vllm.vllm_hpc")
+
+Rpc = Callable[..., list[Any]]
+"""``rpc(function, *args)``: run ``function(worker, *args)`` on every worker, one result each."""
+SETTLE_STEPS = 8
+"""Empty steps a save runs at most for the pending copies to run and the host writes to land:
+one issues what the last step planned, the next collects the landings."""
+
+
+class PrefixCacheFile:
+    """One engine's ``--prefix-cache-file``: loaded once at start-up, saved once at the stop."""
+
+    def __init__(self, path: str, fingerprint: dict[str, Any], cache: HybridPrefixCache) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self.cache = cache
+
+    def restore(self, rpc: Rpc) -> None:
+        """Load the file into the empty cache, or log why not and start empty."""
+        for stale in remove_temporaries(self.path):
+            logger.warning("prefix cache file: removed %s, left by a save that was killed", stale)
+        started = time.perf_counter()
+        opened = open_cache_file(self.path, self.fingerprint)
+        if isinstance(opened, str):
+            logger.info("prefix cache not restored: %s", opened)
+            return
+        try:
+            loaded = self.cache.index.load_saved(opened.saved)
+        except ValueError as error:
+            logger.warning("prefix cache not restored: %s", error)
+            return
+        refused = _refusal(rpc(load_slabs, opened, loaded.slabs))
+        if refused is not None:
+            self.cache.reset()
+            logger.warning("prefix cache not restored: %s", refused)
+            return
+        seconds = time.perf_counter() - started
+        counters = self.cache.file
+        counters.file_restored_snapshots += loaded.snapshots
+        counters.file_restored_blocks += loaded.blocks
+        counters.file_restored_bytes += loaded.bytes
+        counters.file_load_milliseconds += round(seconds * 1000)
+        logger.info(
+            "prefix cache restored from %s: %d of %d snapshots, %d of %d blocks, %.1f MiB in "
+            "%.2f s (%.0f MiB/s)%s",
+            self.path,
+            loaded.snapshots,
+            loaded.saved_snapshots,
+            loaded.blocks,
+            loaded.saved_blocks,
+            loaded.bytes / 2**20,
+            seconds,
+            loaded.bytes / 2**20 / max(seconds, 1e-9),
+            "" if loaded.complete else " (the host tier is smaller than the save: kept by value)",
+        )
+
+    def save(self, rpc: Rpc, idle_step: Callable[[], None], failure: str | None) -> None:
+        """Let the pending copies and host writes finish, then write the file. An engine that
+        stopped on an error (``failure``) or a worker that stopped on a copy error saves
+        nothing and keeps the previous file."""
+        failure = failure or next((f for f in rpc(copy_failure) if f is not None), None)
+        if failure is not None:
+            logger.warning("prefix cache not saved (%s): the previous file stays", failure)
+            return
+        with stop_signals_caught(_forward_to_workers) as abandoned:
+            self._save(rpc, idle_step, abandoned)
+
+    def _save(self, rpc: Rpc, idle_step: Callable[[], None], abandoned: threading.Event) -> None:
+        started = time.perf_counter()
+        for _ in range(SETTLE_STEPS):
+            if self.cache.settled or abandoned.is_set():
+                break
+            rpc(land_host_writes)
+            idle_step()
+        if abandoned.is_set():
+            logger.warning("prefix cache not saved: a second stop signal; the previous file stays")
+            return
+        if not self.cache.settled:
+            logger.warning(
+                "prefix cache file: copies still pending after %d steps; what they carry is "
+                "not saved",
+                SETTLE_STEPS,
+            )
+        saved = self.cache.index.export_saved()
+        logger.info(
+            "prefix cache file: saving %d snapshots, %d blocks (%.1f MiB of slabs) to %s",
+            len(saved.snapshots),
+            len(saved.blocks),
+            len(saved.slabs) * saved.geometry.slab_bytes / 2**20,
+            self.path,
+        )
+        results = rpc(save_slabs, self.path, self.fingerprint, saved)
+        refused = _refusal(results)
+        if refused is not None:
+            logger.warning("prefix cache not saved: %s; the previous file stays", refused)
+            return
+        seconds = time.perf_counter() - started
+        size = sum(r.nbytes for r in results)
+        logger.info(
+            "prefix cache saved to %s: %d snapshots, %d blocks, %.1f MiB in %.2f s (%.0f MiB/s)",
+            self.path,
+            len(saved.snapshots),
+            len(saved.blocks),
+            size / 2**20,
+            seconds,
+            size / 2**20 / max(seconds, 1e-9),
+        )
+
+
+def _forward_to_workers(signum: int) -> None:
+    """A second stop signal reached the engine core, which waits for the workers: pass it on to
+    the worker processes, whose save then abandons (in process, the worker takes it itself)."""
+    logger.warning("prefix cache file: %s during the save", signal.Signals(signum).name)
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            os.kill(child.pid, signum)
+
+
+def _refusal(results: list[SlabTransfer]) -> str | None:
+    return next((r.refused for r in results if r.refused is not None), None)

@@ -1,0 +1,147 @@
+"""The workers' half of the prefix cache file (§5.5): this worker's slab bytes to and from it.
+
+The engine core runs these functions on every worker through its executor's `collective_rpc`
+(`glue/scheduler/persistence.py` decides what to save and load), so the slab bytes never
+leave the process whose host tier holds them: only the tables (a few bytes per entry) cross.
+Each worker writes and reads the section of its own tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
+from vllm_hpc.glue.stop_signals import stop_signals_caught
+from vllm_hpc.glue.worker.connector import ConnectorWorker
+from vllm_hpc.glue.worker.host_arena import HostArena
+from vllm_hpc.index import SavedCache, SlabId
+from vllm_hpc.persistence import CacheFile, write_cache_file
+
+logger = logging.getLogger("vllm.vllm_hpc")
+
+
+@dataclass(frozen=True, slots=True)
+class SlabTransfer:
+    """What one worker moved between its host tier and the file, or why it did not."""
+
+    nbytes: int = 0
+    """File bytes written (a save) or slab bytes read (a load)."""
+    seconds: float = 0.0
+    refused: str | None = None
+    """Why nothing (or not everything) moved; None when it all did."""
+
+
+def copy_failure(worker: Any) -> str | None:
+    """The copy error this worker stopped on, if any: then its host tier is not saved (what a
+    failed copy left in the slabs and the index is not known to agree)."""
+    failed = _connector().failed
+    return None if failed is None else str(failed)
+
+
+def land_host_writes(worker: Any) -> None:
+    """Block until this worker's write-through batches have landed (an orderly stop)."""
+    _connector().land_writes()
+
+
+def save_slabs(
+    worker: Any, path: str, fingerprint: Mapping[str, Any], saved: SavedCache
+) -> SlabTransfer:
+    """Write the file with ``saved``'s tables and this rank's bytes of its slabs.
+
+    A SIGTERM or SIGINT during the save (the engine core forwards its own) abandons it: the
+    temporary file goes, the previous file stays.
+    """
+    connector = _connector()
+    arena = _arena(connector)
+    connector.land_writes()
+    started = time.perf_counter()
+    try:
+        with stop_signals_caught(_abandoning) as abandoned:
+            size = write_cache_file(
+                path,
+                fingerprint,
+                saved,
+                {_rank(): partial(_slab_bytes, arena, armed("save_slow"))},
+                progress=_progress("saving", started),
+                cancel=abandoned.is_set,
+            )
+    except OSError as error:  # a full disk, a file-size limit: the temporary file is gone
+        return SlabTransfer(refused=f"cannot write {path}: {error}")
+    seconds = time.perf_counter() - started
+    if size is None:
+        return SlabTransfer(seconds=seconds, refused="abandoned on a second stop signal")
+    return SlabTransfer(size, seconds)
+
+
+def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId]) -> SlabTransfer:
+    """Copy each saved slab this rank's section holds into the host slab ``slabs`` maps it to,
+    checking each against its checksum; on a refusal some slabs may have been written (the
+    caller empties the index, so they count as free)."""
+    arena = _arena(_connector())
+    started = time.perf_counter()
+
+    def sink(saved: SlabId, record: memoryview) -> None:
+        arena.slab(slabs[saved]).numpy()[:] = np.frombuffer(record, dtype=np.uint8)
+
+    refused = cache_file.read_slabs(_rank(), slabs, sink, _progress("restoring", started))
+    seconds = time.perf_counter() - started
+    nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
+    return SlabTransfer(0 if refused else nbytes, seconds, refused)
+
+
+def _slab_bytes(arena: HostArena, slow: bool, slab: SlabId) -> bytes:
+    if slow:  # fault point `save_slow`
+        time.sleep(SLOW_SAVE_SECONDS)
+    return arena.slab(slab).numpy().tobytes()
+
+
+def _connector() -> ConnectorWorker:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group().worker
+    assert isinstance(connector, ConnectorWorker), "not vllm_hpc's KV connector"
+    return connector
+
+
+def _arena(connector: ConnectorWorker) -> HostArena:
+    arena = connector.arena
+    assert arena is not None, "--prefix-cache-file is refused without a host tier"
+    return arena
+
+
+def _rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _progress(doing: str, started: float) -> Callable[[int, int], None]:
+    """Log a progress line: bytes done, time and rate (every 64 MiB and at the end)."""
+
+    def report(done: int, total: int) -> None:
+        seconds = time.perf_counter() - started
+        logger.info(
+            "prefix cache file: %s %.1f of %.1f MiB, %.2f s, %.0f MiB/s",
+            doing,
+            done / 2**20,
+            total / 2**20,
+            seconds,
+            done / 2**20 / max(seconds, 1e-9),
+        )
+
+    return report
+
+
+def _abandoning(signum: int) -> None:
+    logger.warning(
+        "prefix cache file: %s during the save: abandoning it, the previous file stays",
+        signal.Signals(signum).name,
+    )

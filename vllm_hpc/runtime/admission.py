@@ -195,8 +195,11 @@ class Admission:
         n = request.num_prompt_tokens
         reserve_end = n + min(request.max_output_tokens, self.config.decode_reserve_tokens)
         if self.live:  # alone, a request takes what there is: it never waits on a reserve
-            owed = sum(owed_pages(lane) for lane in self.live)
-            own = pages_for(reserve_end) - pages_for(n)
+            owed = sum(
+                owed_pages(lane.reserve_end, lane.num_prompt_tokens, len(lane.pages))
+                for lane in self.live
+            )
+            own = owed_pages(reserve_end, n, 0)
             if need + own + owed > self.index.available_pages:
                 return None
         slot = self.index.take_state_row(quote)
@@ -311,10 +314,10 @@ class Admission:
         return pages[0]
 
 
-def owed_pages(lane: Lane) -> int:
-    """Decode pages of its reserve that a running request has not taken yet."""
-    taken = max(len(lane.pages), pages_for(lane.num_prompt_tokens))
-    return max(0, pages_for(lane.reserve_end) - taken)
+def owed_pages(reserve_end: int, num_prompt_tokens: int, pages_taken: int) -> int:
+    """Decode pages of a request's reserve (up to ``reserve_end`` tokens) beyond its prompt's
+    pages that it has not taken yet."""
+    return max(0, pages_for(reserve_end) - max(pages_taken, pages_for(num_prompt_tokens)))
 
 
 def _shared_blocks(a: PreparedPrompt, b: PreparedPrompt) -> int:

@@ -37,6 +37,10 @@ class CacheCopyError(RuntimeError):
         )
 
 
+_HOST_COPY = "host tier: a copy between the device and the host"
+"""What failed, in a `CacheCopyError` raised by a host write, restore or prefetch."""
+
+
 @dataclass(frozen=True, slots=True)
 class _WritesDue:
     """A step's write-through batches, bound before its forward pass and issued after it has
@@ -142,7 +146,7 @@ class ConnectorWorker:
             for prefetch in connector_metadata.prefetches:
                 self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
-            raise self._fail("host tier: a copy between the device and the host", error) from error
+            raise self._fail(_HOST_COPY, error) from error
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
         if self._restores and _full_graph_follows():
@@ -164,7 +168,7 @@ class ConnectorWorker:
                 self._writing.append(_WriteInFlight(write.batch, written, self._steps))
                 self.meter.track("write", written)
         except Exception as error:
-            raise self._fail("host tier: a copy between the device and the host", error) from error
+            raise self._fail(_HOST_COPY, error) from error
 
     def _fail(self, what: str, error: BaseException) -> CacheCopyError:
         self.failed = CacheCopyError(what, error)

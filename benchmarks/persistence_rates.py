@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--host-mib", type=int, default=8192)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--machine", default="CPU machine", help="for the report's title")
     args = parser.parse_args()
     saved = synthetic_save(args.host_mib * 2**20 // SLAB)
     nbytes = len(saved.slabs) * SLAB
@@ -125,10 +126,10 @@ def main() -> None:
         target.unlink(missing_ok=True)
         raw.unlink(missing_ok=True)
     lines = [
-        "# Prefix cache file: save and load rates against the disk (CPU machine)",
+        f"# Prefix cache file: save and load rates against the disk ({args.machine})",
         "",
         f"Command: `python benchmarks/persistence_rates.py --host-mib {args.host_mib} "
-        f"--dir {args.dir} --out {args.out}`",
+        f"--dir {args.dir} --out {args.out} --machine '{args.machine}'`",
         "",
         f"{len(saved.slabs)} slabs of 4 MiB ({nbytes / 2**30:.2f} GiB): {len(saved.blocks)} "
         f"blocks, {len(saved.snapshots)} snapshots of {IMAGE_SLABS}-slab images. Page cache "

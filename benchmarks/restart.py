@@ -1,0 +1,301 @@
+"""Restart to first token with ``--prefix-cache-file`` (issue #16, spec §5.5), on the real engine.
+
+Two engines of one configuration (hybrid-prefix, a host tier, a prefix cache file), one after
+the other in this process:
+
+1. The first runs a long conversation's first turn cold (``--length`` prompt tokens, then
+   ``--answer`` tokens) and stops; its stop saves the host tier to the file.
+2. The second starts from the file (the load runs inside its start-up, before any request) and
+   runs the conversation's next turn: the first turn, its answer and ``--new-tokens`` tokens.
+   Then the same next turn again under another ``cache_salt``, so that it runs cold and its
+   greedy answer can be set beside the restored one.
+
+Reported: the first turn's TTFT (cold), the next turn's TTFT after the restart and its cached
+tokens, the same turn's cold TTFT (the reference), the load (seconds from the cache's counters;
+what it restored), the save (its log line; the file's size), restart-to-first-token = load + TTFT
+against the cold TTFT, and the restored answer against the cold one by the near-tie rule
+(`vllm_hpc.exactness`). TTFT is timed here, from a request's submission to the engine step that
+returns its first token. Each engine first warms up on a short prompt of its own. In process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so the cache's counters can be read.
+
+    CPU, tiny model:  .venv/bin/python benchmarks/restart.py --cpu --out /tmp/restart
+    H200, 27B shape:  python3 benchmarks/restart.py --model .gpu/model27b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    add_eager_option,
+    cpu_machine,
+    gpu_engine_kwargs,
+    random_prompt,
+    revision,
+    source_digest,
+    vocab_size,
+)
+from gpu_speed import device_name, engine_facts, release_device
+
+from vllm_hpc.exactness import first_parting, top1_margins
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "gpu": {"length": 100_000, "host_mib": 8192, "max_model_len": 102_400},
+    "cpu": {"length": 6_000, "host_mib": 64, "max_model_len": 8_192},
+}
+SAVED = re.compile(
+    r"prefix cache saved to .*?: (\d+) snapshots, (\d+) blocks, ([\d.]+) MiB in ([\d.]+) s"
+)
+
+
+class _Lines(logging.Handler):
+    """The plugin's log messages, kept to read the save's line back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    extra = {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": args.host_mib,
+        "prefix_cache_file": str(args.file),
+    }
+    limits = {"max_model_len": args.max_model_len, "disable_log_stats": False}
+    if args.cpu:  # the tiny model's memory fraction, sized for the development machines
+        from vllm_hpc.tiny_model import llm_kwargs
+
+        return llm_kwargs(Path(args.model), additional_config=extra, **limits)
+    return gpu_engine_kwargs(
+        args.model, args.eager, extra, gpu_memory_utilization=args.gpu_memory_utilization, **limits
+    )
+
+
+def turn(llm: Any, prompt: list[int], answer: int, salt: str | None = None) -> dict[str, Any]:
+    """One greedy request, stepped here so its TTFT is timed at the client (from its submission
+    to the step that returns its first token): that, its cached tokens, its answer and the top-1
+    margins of its tokens (for the near-tie rule)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True, logprobs=2)
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    engine = llm.llm_engine
+    request_id = f"restart-{time.monotonic_ns()}"
+    begun = time.perf_counter()
+    engine.add_request(request_id, request, params)
+    ttft, last = None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                last = out
+                if ttft is None and out.outputs[0].token_ids:
+                    ttft = time.perf_counter() - begun
+    assert last is not None and ttft is not None
+    return {
+        "prompt_tokens": len(prompt),
+        "cached_tokens": last.num_cached_tokens or 0,
+        "ttft_s": ttft,
+        "answer": list(last.outputs[0].token_ids),
+        "margins": top1_margins(last.outputs[0].logprobs),
+    }
+
+
+def started(args: argparse.Namespace, vocab: int, seed: int) -> tuple[Any, float]:
+    """An engine, warmed up on a short prompt of its own, and its start-up seconds."""
+    from vllm import LLM
+
+    begun = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    seconds = time.perf_counter() - begun
+    turn(llm, random_prompt(seed, 512, vocab), 2)
+    return llm, seconds
+
+
+def stopped(llm: Any, cuda: bool) -> float:
+    """Shut the engine down (the save runs in its shutdown); the seconds it took."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    begun = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()
+    seconds = time.perf_counter() - begun
+    ensure_kv_transfer_shutdown()  # the next in-process engine binds its own connector agent
+    del llm
+    release_device(cuda)
+    return seconds
+
+
+def save_line(messages: list[str]) -> dict[str, float] | None:
+    for message in messages:
+        found = SAVED.search(message)
+        if found:
+            snapshots, blocks, mib, seconds = found.groups()
+            return {
+                "snapshots": int(snapshots),
+                "blocks": int(blocks),
+                "mib": float(mib),
+                "seconds": float(seconds),
+            }
+    return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    vocab = vocab_size(args.model)
+    lines = _Lines()
+    first = random_prompt(1, args.length, vocab)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+    llm, report["first_start_s"] = started(args, vocab, seed=100)
+    logging.getLogger("vllm.vllm_hpc").addHandler(lines)  # once vLLM has set up its logging
+    report["facts"] = engine_facts(llm)
+    cold = turn(llm, first, args.answer)
+    report["shutdown_s"] = stopped(llm, not args.cpu)
+    report["save"] = save_line(lines.messages)
+    report["file_mib"] = args.file.stat().st_size / 2**20 if args.file.exists() else 0.0
+
+    nxt = first + cold["answer"] + random_prompt(2, args.new_tokens, vocab)
+    llm, report["second_start_s"] = started(args, vocab, seed=101)
+    cache = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
+    report["restored"] = dataclasses.asdict(cache.file)
+    restored = turn(llm, nxt, args.answer)
+    cold_next = turn(llm, nxt, args.answer, salt="restart-benchmark-cold")
+    stopped(llm, not args.cpu)
+    logging.getLogger("vllm.vllm_hpc").removeHandler(lines)
+
+    load_s = report["restored"]["file_load_milliseconds"] / 1000
+    first_token = load_s + restored["ttft_s"]
+    parting = first_parting(restored["answer"], cold_next["answer"], cold_next["margins"])
+    report.update(
+        cold=_facts(cold),
+        restored_turn=_facts(restored),
+        cold_next_turn=_facts(cold_next),
+        load_s=load_s,
+        restart_to_first_token_s=first_token,
+        speedup=cold_next["ttft_s"] / first_token,
+        speedup_without_load=cold_next["ttft_s"] / restored["ttft_s"],
+        answer="same" if parting is None else parting.describe(),
+        within_near_tie_rule=parting is None or parting.near_tie,
+    )
+    return report
+
+
+def _facts(measured: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in measured.items() if k not in ("answer", "margins")}
+
+
+def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> str:
+    save = report["save"] or {}
+    restored = report["restored"]
+    after = report["restored_turn"]
+    rows = [
+        (
+            "first turn, cold: prompt tokens / TTFT",
+            f"{report['cold']['prompt_tokens']:,} / {report['cold']['ttft_s']:.3f} s",
+        ),
+        (
+            "save at the stop: snapshots, blocks, MiB, seconds",
+            f"{save.get('snapshots')}, "
+            f"{save.get('blocks')}, {save.get('mib', 0):,.1f}, {save.get('seconds', 0):.2f} s "
+            f"({save.get('mib', 0) / max(save.get('seconds', 0), 1e-9):,.0f} MiB/s)",
+        ),
+        ("the first engine's shutdown, save included", f"{report['shutdown_s']:.2f} s"),
+        ("file size", f"{report['file_mib']:,.1f} MiB"),
+        (
+            "second start-up, load included",
+            f"{report['second_start_s']:.1f} s (first start-up {report['first_start_s']:.1f} s)",
+        ),
+        (
+            "load: snapshots, blocks, MiB, seconds",
+            f"{restored['file_restored_snapshots']}, "
+            f"{restored['file_restored_blocks']}, {restored['file_restored_bytes'] / 2**20:,.1f}, "
+            f"{report['load_s']:.2f} s "
+            f"({restored['file_restored_bytes'] / 2**20 / max(report['load_s'], 1e-9):,.0f} MiB/s)",
+        ),
+        (
+            "next turn after the restart: prompt / cached tokens / TTFT",
+            f"{after['prompt_tokens']:,} / {after['cached_tokens']:,} / {after['ttft_s']:.3f} s",
+        ),
+        (
+            "next turn cold (another cache_salt): cached tokens / TTFT",
+            f"{report['cold_next_turn']['cached_tokens']:,} / "
+            f"{report['cold_next_turn']['ttft_s']:.3f} s",
+        ),
+        ("restart-to-first-token (load + TTFT)", f"{report['restart_to_first_token_s']:.3f} s"),
+        ("cold TTFT of the next turn / restart-to-first-token", f"{report['speedup']:.1f}x"),
+        (
+            "cold TTFT of the next turn / TTFT after the restart (load not counted)",
+            f"{report['speedup_without_load']:.1f}x",
+        ),
+        ("restored answer against the cold one (greedy)", report["answer"]),
+    ]
+    device = cpu_machine() if args.cpu else f"{device_name(False)} ({cpu_machine()})"
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Checkout {revision()}, vllm_hpc sources {source_digest()}; {device}; mode "
+        f"{'eager' if report['facts'].get('enforce_eager') else 'torch.compile and CUDA graphs'}"
+        f" ({report['facts'].get('cudagraph_mode')}); host tier {args.host_mib} MiB; file in "
+        f"{args.file.parent}.",
+        "",
+        "| what | measured |",
+        "|---|---|",
+        *(f"| {what} | {value} |" for what, value in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="model directory (default with --cpu: the tiny model)")
+    ap.add_argument("--out", type=Path, required=True, help="directory for restart.json and .md")
+    ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small sizes")
+    ap.add_argument("--dir", type=Path, help="directory of the cache file (default: a temp dir)")
+    ap.add_argument("--length", type=int, help="first turn's prompt tokens (100,000; CPU 6,000)")
+    ap.add_argument("--host-mib", type=int, help="host tier (8192; CPU 64)")
+    ap.add_argument("--max-model-len", type=int, help="102,400; CPU 8,192")
+    ap.add_argument("--answer", type=int, default=96, help="output tokens of each turn")
+    ap.add_argument("--new-tokens", type=int, default=256, help="the next turn's new tokens")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    add_eager_option(ap)
+    args = ap.parse_args()
+    for key, value in PROFILES["cpu" if args.cpu else "gpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model is None:
+        if not args.cpu:
+            ap.error("--model is required without --cpu")
+        from vllm_hpc.tiny_model import tiny_model_path
+
+        args.model = str(tiny_model_path())
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="hpc-restart-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    args.file = directory / "prefix-cache.bin"
+    args.file.unlink(missing_ok=True)
+    command = "python benchmarks/restart.py " + " ".join(sys.argv[1:])
+    report = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "restart.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report, args, command)
+    (args.out / "restart.md").write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

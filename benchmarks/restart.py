@@ -15,7 +15,8 @@ tokens, the same turn's cold TTFT (the reference), the load (seconds from the ca
 what it restored), the save (its log line; the file's size), restart-to-first-token = load + TTFT
 against the cold TTFT, and the restored answer against the cold one by the near-tie rule
 (`vllm_hpc.exactness`). TTFT is timed here, from a request's submission to the engine step that
-returns its first token. Each engine first warms up on a short prompt of its own. In process
+returns its first token. Each engine first warms up on a short prompt of its own. Each engine
+runs in a process of its own, as a restarted server does, with its engine core in that process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the cache's counters can be read.
 
     CPU, tiny model:  .venv/bin/python benchmarks/restart.py --cpu --out /tmp/restart
@@ -28,11 +29,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import re
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,12 +134,9 @@ def started(args: argparse.Namespace, vocab: int, seed: int) -> tuple[Any, float
 
 def stopped(llm: Any, cuda: bool) -> float:
     """Shut the engine down (the save runs in its shutdown); the seconds it took."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-
     begun = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
     seconds = time.perf_counter() - begun
-    ensure_kv_transfer_shutdown()  # the next in-process engine binds its own connector agent
     del llm
     release_device(cuda)
     return seconds
@@ -156,29 +156,57 @@ def save_line(messages: list[str]) -> dict[str, float] | None:
     return None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def first_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """The first server's life: start, the cold first turn, the stop that saves the file."""
     vocab = vocab_size(args.model)
+    llm, start_s = started(args, vocab, seed=100)
     lines = _Lines()
-    first = random_prompt(1, args.length, vocab)
-    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-
-    llm, report["first_start_s"] = started(args, vocab, seed=100)
     logging.getLogger("vllm.vllm_hpc").addHandler(lines)  # once vLLM has set up its logging
-    report["facts"] = engine_facts(llm)
-    cold = turn(llm, first, args.answer)
-    report["shutdown_s"] = stopped(llm, not args.cpu)
-    report["save"] = save_line(lines.messages)
-    report["file_mib"] = args.file.stat().st_size / 2**20 if args.file.exists() else 0.0
+    facts = engine_facts(llm)
+    cold = turn(llm, random_prompt(1, args.length, vocab), args.answer)
+    shutdown_s = stopped(llm, not args.cpu)
+    return {
+        "first_start_s": start_s,
+        "facts": facts,
+        "cold": cold,
+        "shutdown_s": shutdown_s,
+        "save": save_line(lines.messages),
+        "file_mib": args.file.stat().st_size / 2**20 if args.file.exists() else 0.0,
+    }
 
-    nxt = first + cold["answer"] + random_prompt(2, args.new_tokens, vocab)
-    llm, report["second_start_s"] = started(args, vocab, seed=101)
+
+def second_engine(args: argparse.Namespace, next_turn: list[int]) -> dict[str, Any]:
+    """The restarted server: start from the file, the next turn, then the same turn cold."""
+    llm, start_s = started(args, vocab_size(args.model), seed=101)
     cache = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
-    report["restored"] = dataclasses.asdict(cache.file)
-    restored = turn(llm, nxt, args.answer)
-    cold_next = turn(llm, nxt, args.answer, salt="restart-benchmark-cold")
+    restored_counters = dataclasses.asdict(cache.file)
+    restored = turn(llm, next_turn, args.answer)
+    cold_next = turn(llm, next_turn, args.answer, salt="restart-benchmark-cold")
     stopped(llm, not args.cpu)
-    logging.getLogger("vllm.vllm_hpc").removeHandler(lines)
+    return {
+        "second_start_s": start_s,
+        "restored": restored_counters,
+        "restored_turn": restored,
+        "cold_next_turn": cold_next,
+    }
 
+
+def in_own_process(function: Any, *arguments: Any) -> Any:
+    """Run one engine's phase in a fresh process, as a restarted server is: a process keeps
+    device memory an in-process engine held, so a second engine would not fit beside it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *arguments).result()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    report.update(in_own_process(first_engine, args))
+    cold = report["cold"]
+    vocab = vocab_size(args.model)
+    next_turn = random_prompt(1, args.length, vocab) + cold["answer"]
+    next_turn += random_prompt(2, args.new_tokens, vocab)
+    report.update(in_own_process(second_engine, args, next_turn))
+    restored, cold_next = report["restored_turn"], report["cold_next_turn"]
     load_s = report["restored"]["file_load_milliseconds"] / 1000
     first_token = load_s + restored["ttft_s"]
     parting = first_parting(restored["answer"], cold_next["answer"], cold_next["margins"])

@@ -166,6 +166,50 @@ def test_a_smaller_host_tier_restores_the_most_valuable_snapshots(
             settle_and_audit(llm)
 
 
+def test_a_stop_after_host_pressure_saves_the_snapshots_only_device_slots_hold(
+    cold: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Two conversations in a 3 MiB host tier beside a roomy device: the second's block writes
+    take the first's host images, whose snapshots stay in their device slots (§9.3), until no
+    host snapshot has a host path. The stop writes such snapshots from their slots into host
+    slabs the save does not otherwise use, so the file still resumes conversations, with a
+    cold run's tokens after the restart."""
+    path = tmp_path / "cache.bin"
+    roomy = {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": 3,
+        "prefix_cache_file": str(path),
+    }
+    conversations = []
+    logged(caplog)
+    with running_llm(in_process=True, additional_config=roomy) as llm:
+        for seed in (60, 61):
+            prompt = random_prompt(seed=seed, length=1400)
+            conversations.append(prompt + tokens(greedy(llm, [prompt], ANSWER)[0]))
+        settle_and_audit(llm)
+        index = cache_of(llm).index
+        plan = index.plan_save()
+        assert plan.flushes, "no snapshot was left only in a device slot"
+        assert len(plan.saved.snapshots) > len(index.export_saved().snapshots)
+    log = logged(caplog)
+    assert f"({len(plan.flushes)} of them from device slots)" in log
+    assert "prefix cache saved to" in log
+    with running_llm(in_process=True, additional_config=roomy) as llm:
+        assert "prefix cache restored from" in logged(caplog)
+        cache = cache_of(llm)
+        cache.audit()
+        frontiers = {s.frontier for s in cache.index.store.snapshots}
+        resumed = []
+        for seed, conversation in enumerate(conversations, start=70):
+            turn = conversation + random_prompt(seed=seed, length=80)
+            out = greedy(llm, [turn], ANSWER)[0]
+            assert out.num_cached_tokens in frontiers | {0}  # a restored snapshot, or cold
+            assert_same_up_to_near_tie(out, cold, turn, ANSWER)
+            settle_and_audit(llm)
+            resumed.append(out.num_cached_tokens)
+        assert any(resumed), f"nothing resumed from {sorted(frontiers)}"
+
+
 def _truncated(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 

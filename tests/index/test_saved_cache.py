@@ -155,3 +155,46 @@ def test_kinds_hits_and_salts_survive_a_load() -> None:
     (loaded,) = fresh.store.snapshots
     assert loaded.kind is SnapshotKind.ENDPOINT and loaded.hits == 0
     assert fresh.store.tree.salt_of(fresh.store.tree.roots[0]) == "tenant"
+
+
+def test_a_stop_saves_snapshots_that_host_pressure_left_only_in_device_slots() -> None:
+    index = make_index(host_slabs=8)
+    h = Harness(index)
+    (a,) = h.run(toks(1, 4 * BLOCK), taps=[4 * BLOCK])
+    (b,) = h.run(toks(2, 4 * BLOCK), taps=[4 * BLOCK])
+    # b's blocks took both host images; the snapshots stay in their slots, the paths on host.
+    assert index.export_saved().snapshots == ()
+    assert all(snap(p).complete_on_device and not snap(p).holds_host for p in (a, b))
+    plan = index.plan_save()
+    (flush,) = plan.flushes  # 8 slabs: two paths of 4, room for one image beside one path
+    (saved,) = plan.saved.snapshots
+    assert flush.snapshot.id == saved.id and flush.slot == flush.snapshot.slot
+    assert saved.image_slabs == flush.image_slabs
+    path = {block.slab for block in plan.saved.blocks}
+    assert len(path) == 4 and not path & set(flush.image_slabs)
+    index.check_invariants()  # planning changed nothing
+    assert index.export_saved().snapshots == ()
+
+    fresh = make_index(host_slabs=8)
+    loaded = fresh.load_saved(plan.saved)
+    fresh.check_invariants()
+    assert loaded.complete and loaded.blocks == 4
+    assert_resumes(fresh, plan.saved)
+
+
+def test_a_stop_flush_never_takes_a_slab_that_a_saved_path_or_image_uses() -> None:
+    index = make_index(host_slabs=10)
+    h = Harness(index)
+    for seed in range(1, 4):
+        h.run(toks(seed, 3 * BLOCK), taps=[3 * BLOCK])
+    (kept,) = index.export_saved().snapshots  # one snapshot kept its host image
+    plan = index.plan_save()
+    assert len(plan.flushes) == 1 and len(plan.saved.snapshots) == 2
+    named = plan.saved.slabs
+    assert len(named) == len(set(named))  # no slab holds two things the file keeps
+    (flush,) = plan.flushes
+    assert not set(flush.image_slabs) & set(kept.image_slabs)
+    fresh = make_index(host_slabs=10)
+    assert fresh.load_saved(plan.saved).complete
+    fresh.check_invariants()
+    assert_resumes(fresh, plan.saved)

@@ -337,13 +337,23 @@ class IndexMachine(RuleBasedStateMachine):
         if idle:
             self.inflation = 0.0
 
-    @rule(host=st.sampled_from([3, 4, 9, 20, 40]))
-    def restart(self, host: int) -> None:
+    @rule(host=st.sampled_from([3, 4, 9, 20, 40]), stop=st.booleans())
+    def restart(self, host: int, stop: bool) -> None:
         """A save, then a load at start-up into a fresh index with ``host`` slabs (§5.5).
         Saved from any state (only what is host-resident goes); an idle index is replaced by
-        the loaded one, as a restart would."""
+        the loaded one, as a restart would. ``stop``: the save of an orderly stop, which an
+        idle index reaches, with its flush of device-only snapshots into slabs nothing else
+        saved uses."""
         index = self.index
+        idle = not (self.running or self.writes or self.pressure or self.prefetches)
         saved = index.export_saved()
+        if stop and idle:
+            plan = index.plan_save()
+            index.check_invariants()  # planning changes nothing
+            named = plan.saved.slabs
+            assert len(named) == len(set(named)), "a slab holds two saved things"
+            assert len(plan.saved.snapshots) == len(saved.snapshots) + len(plan.flushes)
+            saved = plan.saved
         slab_bytes = index.store.value.geometry.slab_bytes
         config = dataclasses.replace(index.config, host_budget_bytes=host * slab_bytes)
         fresh = PrefixIndex(config)
@@ -355,7 +365,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert_resumes(fresh, resaved)
         identity = {(saved_prompt(saved, s), s.kind, s.hits) for s in saved.snapshots}
         assert {(saved_prompt(resaved, s), s.kind, s.hits) for s in resaved.snapshots} <= identity
-        if not (self.running or self.writes or self.pressure or self.prefetches):
+        if idle:
             self.index = fresh
             self.inflation = 0.0
 

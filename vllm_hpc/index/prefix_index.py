@@ -38,7 +38,7 @@ from vllm_hpc.index.invariants import check_invariants
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
-from vllm_hpc.index.saved_cache import SavedCache, export_saved
+from vllm_hpc.index.saved_cache import SavedCache, SavePlan, export_saved, plan_save
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.store import CacheStore
@@ -488,6 +488,14 @@ class PrefixIndex:
         host-resident, and exactly those paths' blocks, parents first. Read-only; the caller
         lets every host write land first, or the entries it writes are left out."""
         return export_saved(self.store)
+
+    def plan_save(self) -> SavePlan:
+        """What a save at a stop writes: `export_saved`'s records, plus the retained snapshots
+        only a device slot holds whose anchor paths are host-resident, each given host slabs
+        nothing saved uses (`saved_cache.plan_save`). Read-only: the caller writes those slabs
+        from the slots as the cache's last act, since they may hold what the index still
+        lists."""
+        return plan_save(self.store)
 
     def load_saved(self, saved: SavedCache) -> LoadedCache:
         """Rebuild ``saved`` host-only in this empty index, whole snapshots by value per byte

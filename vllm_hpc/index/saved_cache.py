@@ -2,9 +2,15 @@
 
 A save keeps every retained (not superseded) snapshot whose image, tail and anchor path are
 host-resident, and exactly the blocks of those paths. Dead KV, superseded snapshots and
-device-only content stay behind: after a restart nothing could resume from them. The records
+device-only blocks stay behind: after a restart nothing could resume from them. The records
 name each copy by its host slab, so the worker can write the slabs' bytes beside them; ids are
 the saving index's own and mean nothing to the index that loads them.
+
+One kind of device-only content is written out: the stop's flush (`plan_save`). A host tier
+under pressure gives up the host images of snapshots still complete in a device slot (§9.3)
+while their anchor paths stay on the host, and can end holding paths and no snapshot. At a
+stop the device goes, so such snapshots are first written from their slots into host slabs
+that nothing saved uses, most valuable first, and saved with the rest.
 
 Values that a load recomputes from the loading index (lookup hashes, GDSF cost and size) and
 recency (ticks, the aging base L) are not kept; a load starts them afresh.
@@ -13,11 +19,13 @@ recency (ticks, the aging base L) are not kept; a load starts them afresh.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.host_pool import HostGeometry
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.store import CacheStore
+from vllm_hpc.index.transfers import SnapshotWrite
 from vllm_hpc.index.types import (
     BLOCK_TOKENS,
     TOKEN_BYTES,
@@ -98,11 +106,75 @@ def saveable(snapshot: Snapshot) -> bool:
     return all(node.host is Residency.RESIDENT for node in snapshot.anchor.path())
 
 
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What a save writes: its records, and the device-only snapshots it first writes from
+    their slots into the host slabs those records name for them."""
+
+    saved: SavedCache
+    flushes: tuple[SnapshotWrite, ...]
+
+
+def flushable(snapshot: Snapshot) -> bool:
+    """Retained, complete only on the device (its image in a slot, not on the host), with its
+    whole anchor path and any host copy of its tail on the host."""
+    if snapshot.superseded or not snapshot.complete_on_device or snapshot.holds_host:
+        return False
+    return all(node.host is Residency.RESIDENT for node in snapshot.anchor.path())
+
+
 def export_saved(store: CacheStore) -> SavedCache:
     """The records of what a save keeps; reads the store, changes nothing."""
-    snapshots = sorted(
-        (s for s in store.snapshots if saveable(s)), key=lambda s: (s.frontier, s.id)
+    return _records(
+        store, {s: (s.image_slabs, s.tail_slab) for s in store.snapshots if saveable(s)}
     )
+
+
+def plan_save(store: CacheStore) -> SavePlan:
+    """The records of a save at a stop, with the flush: each flushable snapshot, highest GDSF
+    priority first, gets host slabs that no saved image, tail or path uses (free ones, or ones
+    holding what the save leaves out), while enough remain. Reads the store, changes nothing:
+    the slabs it reuses hold content that the stop discards with the index, so the caller
+    writes the flushes only as the cache's last act."""
+    chosen = {s: (s.image_slabs, s.tail_slab) for s in store.snapshots if saveable(s)}
+    used: set[SlabId] = set()
+    for snapshot, (image, tail) in chosen.items():
+        used.update(_path_slabs(snapshot), image, () if tail is None else (tail,))
+    spare = {SlabId(x) for x in range(store.slabs.capacity)} - used
+    ascending = sorted(spare)
+    overwritten: set[SlabId] = set()
+    """Slabs a flush takes: a later candidate whose path needs one is left out."""
+    flushes: list[SnapshotWrite] = []
+    image_slabs = store.value.geometry.image_slabs
+    candidates = sorted(
+        (s for s in store.snapshots if flushable(s)), key=lambda s: (-s.priority, s.id)
+    )
+    for snapshot in candidates:
+        path = set(_path_slabs(snapshot))
+        need = image_slabs + (1 if snapshot.tail else 0)
+        if path & overwritten or len(spare) - len(path & spare) < need:
+            continue
+        taken = list(islice((x for x in ascending if x in spare and x not in path), need))
+        image, tail = tuple(taken[:image_slabs]), taken[image_slabs] if snapshot.tail else None
+        assert snapshot.slot is not None
+        flushes.append(SnapshotWrite(snapshot, snapshot.slot, image, snapshot.tail_page, tail))
+        chosen[snapshot] = (image, tail)
+        spare -= path | set(taken)
+        overwritten.update(taken)
+    return SavePlan(_records(store, chosen), tuple(flushes))
+
+
+def _path_slabs(snapshot: Snapshot) -> list[SlabId]:
+    slabs = [node.host_slab for node in snapshot.anchor.path()]
+    assert all(slab is not None for slab in slabs)
+    return [SlabId(slab) for slab in slabs if slab is not None]
+
+
+def _records(
+    store: CacheStore, kept: dict[Snapshot, tuple[tuple[SlabId, ...], SlabId | None]]
+) -> SavedCache:
+    """The save's records of ``kept`` (each with the host slabs of its image and tail)."""
+    snapshots = sorted(kept, key=lambda s: (s.frontier, s.id))
     roots: dict[BlockNode, SavedRoot] = {}
     blocks: dict[BlockNode, SavedBlock] = {}
     for snapshot in snapshots:
@@ -120,18 +192,20 @@ def export_saved(store: CacheStore) -> SavedCache:
         geometry=store.value.geometry,
         roots=tuple(roots.values()),
         blocks=tuple(block for _, block in ordered),
-        snapshots=tuple(_saved_snapshot(s) for s in snapshots),
+        snapshots=tuple(_saved_snapshot(s, *kept[s]) for s in snapshots),
     )
 
 
-def _saved_snapshot(snapshot: Snapshot) -> SavedSnapshot:
+def _saved_snapshot(
+    snapshot: Snapshot, image_slabs: tuple[SlabId, ...], tail_slab: SlabId | None
+) -> SavedSnapshot:
     return SavedSnapshot(
         id=snapshot.id,
         anchor=snapshot.anchor.id,
         kind=snapshot.kind,
         tail=snapshot.tail,
-        image_slabs=snapshot.image_slabs,
-        tail_slab=snapshot.tail_slab,
+        image_slabs=image_slabs,
+        tail_slab=tail_slab,
         frontier=snapshot.frontier,
         hits=snapshot.hits,
     )

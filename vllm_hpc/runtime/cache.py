@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex
+from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, SavedCache
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.runtime.admission import Admission
 from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
-from vllm_hpc.runtime.plan import StepPlan
+from vllm_hpc.runtime.plan import HostWrite, StepPlan
 from vllm_hpc.runtime.records import InfeasibleRequest, Lookup, RequestInfo, RuntimeConfig
 from vllm_hpc.runtime.telemetry import (
     ADMISSION,
@@ -90,6 +90,13 @@ class HybridPrefixCache:
         """No capture waits to publish and no copy waits to be handed out or to land: what
         the index says is host-resident is all there will be (a save waits for this)."""
         return self.pipeline.idle and not self.captures.retiring
+
+    def plan_save(self) -> tuple[SavedCache, HostWrite | None]:
+        """What a save at a stop writes (`PrefixIndex.plan_save`): its records, and the write
+        that first copies its device-only snapshots into the host slabs those records name.
+        The cache's last act: that write overwrites slabs the index still lists."""
+        plan = self.index.plan_save()
+        return plan.saved, self.pipeline.stop_flush(plan.flushes) if plan.flushes else None
 
     def complete_writes(self, batches: Sequence[int]) -> None:
         self.pipeline.complete_writes(batches)

@@ -107,6 +107,11 @@ class StepPipeline:
         self.host.write_bytes += len(images) * self.geometry.image_bytes
         return HostWrite(batch, tuple(blocks), tuple(images))
 
+    def stop_flush(self, writes: Sequence[SnapshotWrite]) -> HostWrite:
+        """A save's flush of device-only snapshots (`PrefixIndex.plan_save`) as one write
+        batch; the worker waits for it before writing the file, so no step reports it."""
+        return self._host_write(0, list(writes))
+
     def writes_in_flight(self) -> bool:
         """Whether a handed-out write batch has not been reported done yet."""
         return bool(self._writing)

@@ -118,15 +118,17 @@ class PrefixCacheFile:
                 "not saved",
                 SETTLE_STEPS,
             )
-        saved = self.cache.index.export_saved()
+        saved, flush = self.cache.plan_save()
         logger.info(
-            "prefix cache file: saving %d snapshots, %d blocks (%.1f MiB of slabs) to %s",
+            "prefix cache file: saving %d snapshots (%d of them from device slots), %d blocks "
+            "(%.1f MiB of slabs) to %s",
             len(saved.snapshots),
+            0 if flush is None else len(flush.images),
             len(saved.blocks),
             len(saved.slabs) * saved.geometry.slab_bytes / 2**20,
             self.path,
         )
-        results = rpc(save_slabs, self.path, self.fingerprint, saved)
+        results = rpc(save_slabs, self.path, self.fingerprint, saved, flush)
         refused = _refusal(results)
         if refused is not None:
             logger.warning("prefix cache not saved: %s; the previous file stays", refused)

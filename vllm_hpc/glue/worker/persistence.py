@@ -24,6 +24,7 @@ from vllm_hpc.glue.worker.connector import ConnectorWorker
 from vllm_hpc.glue.worker.host_arena import HostArena
 from vllm_hpc.index import SavedCache, SlabId
 from vllm_hpc.persistence import CacheFile, write_cache_file
+from vllm_hpc.runtime.plan import HostWrite
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -52,9 +53,14 @@ def land_host_writes(worker: Any) -> None:
 
 
 def save_slabs(
-    worker: Any, path: str, fingerprint: Mapping[str, Any], saved: SavedCache
+    worker: Any,
+    path: str,
+    fingerprint: Mapping[str, Any],
+    saved: SavedCache,
+    flush: HostWrite | None = None,
 ) -> SlabTransfer:
-    """Write the file with ``saved``'s tables and this rank's bytes of its slabs.
+    """Write the file with ``saved``'s tables and this rank's bytes of its slabs, after
+    ``flush`` has copied the device-only snapshots it saves into their host slabs.
 
     A SIGTERM or SIGINT during the save (the engine core forwards its own) abandons it: the
     temporary file goes, the previous file stays.
@@ -63,6 +69,11 @@ def save_slabs(
     arena = _arena(connector)
     connector.land_writes()
     started = time.perf_counter()
+    if flush is not None:
+        try:
+            arena.write(flush.blocks, flush.images).synchronize()
+        except Exception as error:  # the previous file stays
+            return SlabTransfer(refused=f"cannot copy device-only snapshots to the host: {error}")
     try:
         with stop_signals_caught(_abandoning) as abandoned:
             size = write_cache_file(

@@ -341,13 +341,13 @@ class IndexMachine(RuleBasedStateMachine):
     def restart(self, host: int, stop: bool) -> None:
         """A save, then a load at start-up into a fresh index with ``host`` slabs (§5.5).
         Saved from any state (only what is host-resident goes); an idle index is replaced by
-        the loaded one, as a restart would. ``stop``: the save of an orderly stop, which an
-        idle index reaches, with its flush of device-only snapshots into slabs nothing else
-        saved uses."""
+        the loaded one, as a restart would. ``stop``: the save of an orderly stop, with its
+        flush of device-only snapshots into slabs nothing else saved uses (planned from any
+        state: what is in flight is not flushable)."""
         index = self.index
         idle = not (self.running or self.writes or self.pressure or self.prefetches)
         saved = index.export_saved()
-        if stop and idle:
+        if stop:
             plan = index.plan_save()
             index.check_invariants()  # planning changes nothing
             named = plan.saved.slabs

@@ -116,8 +116,8 @@ class SavePlan:
 
 
 def flushable(snapshot: Snapshot) -> bool:
-    """Retained, complete only on the device (its image in a slot, not on the host), with its
-    whole anchor path and any host copy of its tail on the host."""
+    """Retained and complete only on the device (its image in a slot and its tail, if any, on a
+    device page; neither on the host), with its whole anchor path on the host."""
     if snapshot.superseded or not snapshot.complete_on_device or snapshot.holds_host:
         return False
     return all(node.host is Residency.RESIDENT for node in snapshot.anchor.path())

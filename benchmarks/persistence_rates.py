@@ -101,7 +101,8 @@ def main() -> None:
     def load() -> None:
         opened = open_cache_file(target, FINGERPRINT)
         assert not isinstance(opened, str), opened
-        failed = opened.read_slabs(0, saved.slabs, lambda slab, data: None)
+        scratch = memoryview(bytearray(SLAB))  # every slab read into one buffer
+        failed = opened.read_slabs(0, saved.slabs, lambda slab: scratch)
         assert failed is None, failed
 
     def write_raw() -> None:

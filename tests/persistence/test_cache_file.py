@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,9 +65,19 @@ def opened(path: Path) -> CacheFile:
     return result
 
 
-def read_all(cache: CacheFile, rank: int = 0) -> tuple[dict[SlabId, bytes], str | None]:
-    got: dict[SlabId, bytes] = {}
-    reason = cache.read_slabs(rank, cache.saved.slabs, lambda s, b: got.__setitem__(s, bytes(b)))
+def into(buffers: dict[SlabId, bytearray], key: Any = None) -> Any:
+    """A read target: a new buffer per saved slab, kept in ``buffers`` under ``key(slab)``."""
+
+    def target(slab: SlabId) -> memoryview:
+        buffer = buffers.setdefault(slab if key is None else key(slab), bytearray(SLAB))
+        return memoryview(buffer)
+
+    return target
+
+
+def read_all(cache: CacheFile, rank: int = 0) -> tuple[dict[SlabId, bytearray], str | None]:
+    got: dict[SlabId, bytearray] = {}
+    reason = cache.read_slabs(rank, cache.saved.slabs, into(got))
     return got, reason
 
 
@@ -79,10 +90,8 @@ def test_round_trip(tmp_path: Path) -> None:
     cache = opened(path)
     assert cache.saved == saved
     reads: list[tuple[int, int]] = []
-    got: dict[SlabId, bytes] = {}
-    reason = cache.read_slabs(
-        0, saved.slabs, lambda s, b: got.__setitem__(s, bytes(b)), lambda d, t: reads.append((d, t))
-    )
+    got: dict[SlabId, bytearray] = {}
+    reason = cache.read_slabs(0, saved.slabs, into(got), lambda d, t: reads.append((d, t)))
     assert reason is None and reads[-1] == (len(saved.slabs) * SLAB,) * 2
     assert got == {slab: slab_bytes_of(slab) for slab in saved.slabs}
     assert os.listdir(tmp_path) == ["cache.bin"]
@@ -97,10 +106,8 @@ def test_a_restart_loads_the_file_into_a_smaller_host_tier(tmp_path: Path) -> No
     fresh = make_index(host_slabs=7)
     loaded = fresh.load_saved(cache.saved)
     assert 0 < loaded.snapshots < loaded.saved_snapshots
-    arena: dict[SlabId, bytes] = {}
-    reason = cache.read_slabs(
-        0, loaded.slabs, lambda s, b: arena.__setitem__(loaded.slabs[s], bytes(b))
-    )
+    arena: dict[SlabId, bytearray] = {}
+    reason = cache.read_slabs(0, loaded.slabs, into(arena, loaded.slabs.__getitem__))
     assert reason is None and len(arena) == len(loaded.slabs) <= 7
     assert arena == {new: slab_bytes_of(old) for old, new in loaded.slabs.items()}
     fresh.check_invariants()
@@ -169,8 +176,9 @@ def test_flipped_bits_are_detected(tmp_path: Path) -> None:
     flip(path, cache.data_offset + section.offset + 3 * SLAB + 77)
     damaged = opened(path)
     got, reason = read_all(damaged)
-    assert reason == "bad checksum in rank 0's slab section" and len(got) == 3
-    assert damaged.read_slabs(0, saved.slabs[4:], lambda s, b: None) is None
+    # Read into its buffer, then refused: the load that owns the buffers drops them all.
+    assert reason == "bad checksum in rank 0's slab section" and len(got) == 4
+    assert damaged.read_slabs(0, saved.slabs[4:], into({})) is None
 
 
 def test_a_foreign_fingerprint_names_the_differing_keys(tmp_path: Path) -> None:
@@ -234,6 +242,7 @@ def test_a_full_disk_leaves_the_previous_file(tmp_path: Path) -> None:
     script = f"""
 import resource, signal
 from pathlib import Path
+from typing import Any
 from tests.persistence.test_cache_file import build_save, write
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))
@@ -280,6 +289,7 @@ def test_a_save_killed_leaves_the_previous_file_and_a_temporary_the_next_start_r
     script = f"""
 import os, signal
 from pathlib import Path
+from typing import Any
 from tests.persistence.test_cache_file import build_save, slab_bytes_of, FINGERPRINT
 from vllm_hpc.persistence import write_cache_file
 written = []

@@ -41,15 +41,13 @@ _PRELUDE = struct.Struct("<8sIII")
 ALIGN = 4096
 PROGRESS_BYTES = 64 << 20
 """Progress is reported about this often, and once at the end."""
-READ_RUN_BYTES = 64 << 20
-"""Consecutive slabs are read in runs of about this size."""
 
 Progress = Callable[[int, int], None]
 """``(bytes done, bytes in all)``."""
 SlabSource = Callable[[SlabId], bytes]
 """One saved slab's bytes on this section's rank (slab_bytes long)."""
-SlabSink = Callable[[SlabId, memoryview], None]
-"""Receives one saved slab's bytes (valid only during the call)."""
+SlabTarget = Callable[[SlabId], memoryview]
+"""The writable buffer, slab_bytes long, that one saved slab's bytes are read into."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +82,13 @@ class CacheFile:
         self,
         rank: int,
         wanted: Iterable[SlabId],
-        sink: SlabSink,
+        target: SlabTarget,
         progress: Progress | None = None,
     ) -> str | None:
-        """Hand ``sink`` each wanted saved slab of ``rank``'s section, checked against its
-        checksum; None when all arrived, else why not (the sink may have had some: the caller
-        drops what the load built)."""
+        """Read each wanted saved slab of ``rank``'s section straight into the buffer
+        ``target`` gives for it (the host tier's own slab: no copy through Python), then check
+        it against its checksum; None when all arrived, else why not (the buffers read so far
+        hold bytes, the last one damaged ones: the caller drops what the load built)."""
         section = self.section(rank)
         if section is None:
             return f"no slab section for rank {rank}"
@@ -101,18 +100,15 @@ class CacheFile:
         size = section.slab_bytes
         meter = _Meter(len(order) * size, progress)
         try:
-            with open(self.path, "rb") as file:
-                for run in _runs(order, max(1, READ_RUN_BYTES // size)):
-                    file.seek(self.data_offset + section.offset + run[0] * size)
-                    data = memoryview(file.read(len(run) * size))
-                    if len(data) != len(run) * size:
+            with open(self.path, "rb", buffering=0) as file:
+                for index in order:
+                    buffer = target(self.saved.slabs[index])
+                    file.seek(self.data_offset + section.offset + index * size)
+                    if _read_into(file, buffer) != size:
                         return "truncated in a slab section"
-                    for k, index in enumerate(run):
-                        record = data[k * size : (k + 1) * size]
-                        if zlib.crc32(record) != section.checksums[index]:
-                            return f"bad checksum in rank {rank}'s slab section"
-                        sink(self.saved.slabs[index], record)
-                    meter.add(len(data))
+                    if zlib.crc32(buffer) != section.checksums[index]:
+                        return f"bad checksum in rank {rank}'s slab section"
+                    meter.add(size)
         except OSError as exc:
             return f"cannot read the file: {exc}"
         meter.done()
@@ -327,15 +323,15 @@ def _pad_write(file: BinaryIO, data: bytes, end: int | None = None) -> None:
         file.write(bytes(end - file.tell()))
 
 
-def _runs(order: list[int], limit: int) -> list[list[int]]:
-    """Sorted slab positions split into runs of consecutive ones, at most ``limit`` long."""
-    runs: list[list[int]] = []
-    for index in order:
-        if runs and runs[-1][-1] == index - 1 and len(runs[-1]) < limit:
-            runs[-1].append(index)
-        else:
-            runs.append([index])
-    return runs
+def _read_into(file: Any, buffer: memoryview) -> int:
+    """Fill ``buffer`` from ``file``'s position; the bytes read (fewer only at the end)."""
+    done = 0
+    while done < len(buffer):
+        count = file.readinto(buffer[done:])
+        if not count:
+            break
+        done += count
+    return done
 
 
 def _abandon(temporary: str) -> None:

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
 from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.connector import ConnectorWorker
@@ -99,10 +97,10 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
     arena = _arena(_connector())
     started = time.perf_counter()
 
-    def sink(saved: SlabId, record: memoryview) -> None:
-        arena.slab(slabs[saved]).numpy()[:] = np.frombuffer(record, dtype=np.uint8)
+    def target(saved: SlabId) -> memoryview:
+        return memoryview(arena.slab(slabs[saved]).numpy())
 
-    refused = cache_file.read_slabs(_rank(), slabs, sink, _progress("restoring", started))
+    refused = cache_file.read_slabs(_rank(), slabs, target, _progress("restoring", started))
     seconds = time.perf_counter() - started
     nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
     return SlabTransfer(0 if refused else nbytes, seconds, refused)

@@ -17,10 +17,11 @@ vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every reques
   output tok/s. Sessions run in the engine of ``--max-num-seqs``, after its bursts.
 - ``--profile-steps K`` (off by default): after an engine's workloads, the first burst's prompts
   again, stepped by hand: the first three (prefill) steps run under vLLM's torch profiler; once
-  every request decodes, K decode steps are timed, then K more are profiled. Reported: the mean
-  decode step (ms, unprofiled) and vLLM's kernel tables (``profile_<config>_<max_num_seqs>
-  _prefill.txt`` and ``profile_<config>_<max_num_seqs>.txt`` in ``--out``), so a gap in the
-  burst can be traced to its kernels.
+  every request decodes, K decode steps are timed, then K more are profiled, and from the first
+  finish on, the steps in which the requests finish (up to 48). Reported: the mean decode step
+  (ms, unprofiled) and vLLM's kernel tables (``profile_<config>_<max_num_seqs>_prefill.txt``,
+  ``profile_<config>_<max_num_seqs>.txt`` and ``..._finish.txt`` in ``--out``), so a gap in
+  the burst can be traced to its kernels and copies.
 
 Targets (the report's last table): per burst, output tok/s >= 0.98x native and TTFT p50 / p95
 <= 1.0x; sessions: hit rate >= native on every turn and TTFT p50 <= 0.6x native on every turn
@@ -343,20 +344,30 @@ PREFILL_TIMED_STEPS = 4
 """Prefill steps timed, without the profiler, when ``--profile-steps`` starts."""
 PREFILL_PROFILE_STEPS = 3
 """Prefill steps profiled next (full-budget chunks of the burst)."""
+FINISH_PROFILE_STEPS = 48
+"""At most this many steps profiled while the requests finish."""
 
 
-def profiled(llm: Any, steps: int, e: dict[str, Any], out: Path, name: str, head: str) -> None:
-    """Run ``steps`` engine steps under vLLM's profiler; its kernel table goes to ``name``."""
+def profiled(
+    llm: Any, e: dict[str, Any], out: Path, name: str, head: str, steps: int | None = None
+) -> int:
+    """Run ``steps`` engine steps under vLLM's profiler (None: until no request is left, at
+    most FINISH_PROFILE_STEPS); its kernel table goes to ``name``. The steps run."""
+    engine = llm.llm_engine
     table_dir = profile_dir(e["config"], e["max_num_seqs"])
+    limit = FINISH_PROFILE_STEPS if steps is None else steps
+    done = 0
     llm.start_profile()
-    for _ in range(steps):
-        llm.llm_engine.step()
+    while done < limit and (steps is not None or engine.has_unfinished_requests()):
+        engine.step()
+        done += 1
     llm.stop_profile()
     tables = sorted(table_dir.glob("*profiler_out*.txt"), key=lambda t: t.stat().st_mtime)
     table = tables[-1].read_text() if tables else "(vLLM wrote no profiler table)"
     for stale in tables:  # the next session's table must not be mistaken for this one
         stale.unlink()
     (out / name).write_text(f"{head}\n\n{table}")
+    return done
 
 
 def step_profile(
@@ -364,7 +375,8 @@ def step_profile(
 ) -> dict[str, Any]:
     """The first burst's size of cold prompts, stepped by hand: the first prefill steps timed,
     the next under the profiler; then, once every request decodes, K timed decode steps and K
-    more under the profiler. The rest is aborted."""
+    more under the profiler; then, from the first finish on, the steps in which they finish
+    (their write-through at release) under the profiler too."""
     from vllm import SamplingParams
 
     n = parse_burst(args.burst[0])[0]
@@ -384,11 +396,11 @@ def step_profile(
     start = time.perf_counter()
     profiled(
         llm,
-        PREFILL_PROFILE_STEPS,
         e,
         out,
         f"profile_{tag}_prefill.txt",
         f"the first {PREFILL_PROFILE_STEPS} steps after {n} prompts arrive together",
+        PREFILL_PROFILE_STEPS,
     )
     prefill_s = time.perf_counter() - start
     decoding: set[str] = set()
@@ -401,13 +413,24 @@ def step_profile(
         engine.step()
     step_ms = (time.perf_counter() - start) / k * 1000
     head = f"decode step {step_ms:.2f} ms at {n} requests"
-    profiled(llm, k, e, out, f"profile_{tag}.txt", head)
-    engine.abort_request(ids)
+    profiled(llm, e, out, f"profile_{tag}.txt", head, k)
+    while engine.has_unfinished_requests() and not any(o.finished for o in engine.step()):
+        pass  # decode on to the first finish
+    finish_steps = profiled(
+        llm,
+        e,
+        out,
+        f"profile_{tag}_finish.txt",
+        f"the steps after the first of {n} requests finished: they finish in waves, one per "
+        "prefill step, each written through to the host tier at its release",
+    )
+    engine.abort_request(ids)  # any left after FINISH_PROFILE_STEPS
     while engine.has_unfinished_requests():
         engine.step()
     log(
         f"  profile: prefill steps {', '.join(f'{t:.0f}' for t in prefill_ms)} ms; "
-        f"{step_ms:.2f} ms per decode step at {n} requests; tables profile_{tag}*.txt"
+        f"{step_ms:.2f} ms per decode step at {n} requests; {finish_steps} finishing steps "
+        f"profiled; tables profile_{tag}*.txt"
     )
     return {
         "requests": n,
@@ -415,7 +438,8 @@ def step_profile(
         "decode_step_ms": step_ms,
         "prefill_step_ms": prefill_ms,
         "prefill_profiled_s": prefill_s,
-        "tables": [f"profile_{tag}_prefill.txt", f"profile_{tag}.txt"],
+        "finish_steps": finish_steps,
+        "tables": [f"profile_{tag}_prefill.txt", f"profile_{tag}.txt", f"profile_{tag}_finish.txt"],
     }
 
 

@@ -48,7 +48,7 @@ from bench_common import (
     source_digest,
     vocab_size,
 )
-from gpu_speed import device_name, engine_facts, release_device
+from gpu_speed import device_name, engine_facts, wait_device_free
 
 from vllm_hpc.exactness import first_parting, top1_margins
 
@@ -132,14 +132,13 @@ def started(args: argparse.Namespace, vocab: int, seed: int) -> tuple[Any, float
     return llm, seconds
 
 
-def stopped(llm: Any, cuda: bool) -> float:
-    """Shut the engine down (the save runs in its shutdown); the seconds it took."""
+def stopped(llm: Any) -> float:
+    """Shut the engine down (the save runs in its shutdown); the seconds it took. Its device
+    memory goes back when the phase's process exits (`in_own_process`): waiting for it here,
+    in the process that still holds it, would only run out a timeout."""
     begun = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
-    seconds = time.perf_counter() - begun
-    del llm
-    release_device(cuda)
-    return seconds
+    return time.perf_counter() - begun
 
 
 def save_line(messages: list[str]) -> dict[str, float] | None:
@@ -164,7 +163,7 @@ def first_engine(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("vllm.vllm_hpc").addHandler(lines)  # once vLLM has set up its logging
     facts = engine_facts(llm)
     cold = turn(llm, random_prompt(1, args.length, vocab), args.answer)
-    shutdown_s = stopped(llm, not args.cpu)
+    shutdown_s = stopped(llm)
     return {
         "first_start_s": start_s,
         "facts": facts,
@@ -182,7 +181,7 @@ def second_engine(args: argparse.Namespace, next_turn: list[int]) -> dict[str, A
     restored_counters = dataclasses.asdict(cache.file)
     restored = turn(llm, next_turn, args.answer)
     cold_next = turn(llm, next_turn, args.answer, salt="restart-benchmark-cold")
-    stopped(llm, not args.cpu)
+    stopped(llm)
     return {
         "second_start_s": start_s,
         "restored": restored_counters,
@@ -201,6 +200,8 @@ def in_own_process(function: Any, *arguments: Any) -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     report.update(in_own_process(first_engine, args))
+    if not args.cpu:  # this process holds no CUDA context: it sees the device as it frees
+        wait_device_free()
     cold = report["cold"]
     vocab = vocab_size(args.model)
     next_turn = random_prompt(1, args.length, vocab) + cold["answer"]

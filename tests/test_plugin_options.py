@@ -148,7 +148,7 @@ def unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
     load_general_plugins()  # the real hooks, once per process, so vLLM does not load them later
     for name in ("add_cli_args", "from_cli_args", "create_engine_config"):
         monkeypatch.setattr(EngineArgs, name, EngineArgs.__dict__[name])  # restored afterwards
-    monkeypatch.setattr(engine_args, "_installed", False)
+    monkeypatch.setattr(engine_args.install_engine_args_hooks, "installed", False)
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     register()
     return "0.99.0"

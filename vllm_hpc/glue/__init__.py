@@ -13,7 +13,29 @@ installed on any other version, except the `EngineArgs` hooks' version guard, wh
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Generic, ParamSpec
+
 PINNED_VLLM_VERSION = "0.32.0"
+
+P = ParamSpec("P")
+
+
+class InstallOnce(Generic[P]):
+    """A hook installer that runs once per process: vLLM calls the plugin's `register` more
+    than once, and wrapping a vLLM method twice would run its hook twice. ``installed`` is set
+    once the installer has returned (a test that swaps the wrapped methods back may clear it)."""
+
+    def __init__(self, install: Callable[P, None]) -> None:
+        self._install = install
+        self.installed = False
+        functools.update_wrapper(self, install)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        if not self.installed:
+            self._install(*args, **kwargs)
+            self.installed = True
 
 
 class UnsupportedVLLMVersion(RuntimeError):

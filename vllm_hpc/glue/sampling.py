@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_hpc.glue import InstallOnce
+
 BREAKPOINTS_KEY = "cache_breakpoints"
 MAX_BREAKPOINTS = 64
-
-_installed = False
 
 
 def parse_breakpoints(extra_args: Any) -> tuple[int, ...]:
@@ -33,11 +33,9 @@ def parse_breakpoints(extra_args: Any) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+@InstallOnce
 def install_sampling_params_hook() -> None:
     """Check the hints when vLLM checks a request's sampling parameters."""
-    global _installed
-    if _installed:
-        return
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
@@ -51,4 +49,3 @@ def install_sampling_params_hook() -> None:
             raise VLLMValidationError(str(error), parameter=BREAKPOINTS_KEY) from None
 
     SamplingParams._verify_args = verify_args
-    _installed = True

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_hpc.glue import UnsupportedVLLMVersion
+from vllm_hpc.glue import InstallOnce, UnsupportedVLLMVersion
 from vllm_hpc.glue.architecture import ArchitectureOverride
 from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OPTION_SPECS, KVCacheManager, OptionError, PluginOptions
@@ -41,9 +41,8 @@ SCHEDULERS = {
     True: "vllm_hpc.glue.scheduler.scheduler.HybridPrefixAsyncScheduler",
 }
 
-_installed = False
 
-
+@InstallOnce
 def install_engine_args_hooks(unsupported: UnsupportedVLLMVersion | None = None) -> None:
     """Wrap the three `EngineArgs` methods once per process.
 
@@ -51,9 +50,6 @@ def install_engine_args_hooks(unsupported: UnsupportedVLLMVersion | None = None)
     refuses `hybrid-prefix` with that error instead of configuring it; see
     `install_version_guard`.
     """
-    global _installed
-    if _installed:
-        return
     from vllm.engine.arg_utils import EngineArgs
 
     original_add: Callable[[Any], Any] = EngineArgs.add_cli_args
@@ -95,7 +91,6 @@ def install_engine_args_hooks(unsupported: UnsupportedVLLMVersion | None = None)
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config
-    _installed = True
 
 
 def install_version_guard(unsupported: UnsupportedVLLMVersion) -> None:

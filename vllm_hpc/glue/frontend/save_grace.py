@@ -15,18 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_hpc.derived import save_grace_seconds
+from vllm_hpc.glue import InstallOnce
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
-_installed = False
 
-
+@InstallOnce
 def install_save_grace() -> None:
     """Wrap the process manager's `__init__` (to read the options) and `shutdown`, once."""
-    global _installed
-    if _installed:
-        return
     from vllm.v1.engine.utils import CoreEngineProcManager
 
     original_init: Callable[..., None] = CoreEngineProcManager.__init__
@@ -54,4 +51,3 @@ def install_save_grace() -> None:
 
     CoreEngineProcManager.__init__ = __init__
     CoreEngineProcManager.shutdown = shutdown
-    _installed = True

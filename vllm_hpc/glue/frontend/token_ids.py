@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.architecture import ARCHITECTURES
-
-_installed = False
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> str | None:
@@ -39,11 +38,9 @@ ONE_TOKEN_ON_CPU = (
 )
 
 
+@InstallOnce
 def install_token_id_check() -> None:
     """Run the vocabulary check where vLLM skips it, for hybrid-prefix's model classes."""
-    global _installed
-    if _installed:
-        return
     from vllm.exceptions import VLLMValidationError
     from vllm.platforms import current_platform
     from vllm.renderers.base import BaseRenderer
@@ -66,4 +63,3 @@ def install_token_id_check() -> None:
             raise VLLMValidationError(reason, parameter=parameter or "prompt")
 
     BaseRenderer.validate_token_ids = validate_token_ids
-    _installed = True

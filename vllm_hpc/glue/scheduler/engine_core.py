@@ -25,18 +25,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.scheduler.persistence import PrefixCacheFile
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
-_installed = False
 
-
+@InstallOnce
 def install_engine_core_hooks() -> None:
     """Wrap the methods once per process (vLLM calls `register` more than once)."""
-    global _installed
-    if _installed:
-        return
     from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
 
     original_init: Callable[..., None] = EngineCore.__init__
@@ -68,7 +65,6 @@ def install_engine_core_hooks() -> None:
     EngineCore.__init__ = __init__
     EngineCore.shutdown = shutdown
     EngineCoreProc._send_engine_dead = _send_engine_dead
-    _installed = True
 
 
 def _restoring_first(run_busy_loop: Callable[[Any], None]) -> Callable[[Any], None]:

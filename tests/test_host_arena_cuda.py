@@ -55,12 +55,20 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8).flatten()
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-call-a-copy"])
 @pytest.mark.parametrize("block_outer", [False, True], ids=["LBHNC", "BLHNC"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-def test_round_trip_bit_exact_on_streams(dtype: torch.dtype, block_outer: bool) -> None:
+def test_round_trip_bit_exact_on_streams(
+    dtype: torch.dtype, block_outer: bool, batched: bool
+) -> None:
+    """Both ways of issuing the copies (the batch call where CUDA has it, and its fallback)."""
     kv, pool = _kv(dtype, block_outer), _pool()
     arena = _arena(kv, pool)
     assert all(chunk.is_pinned() for chunk in arena.chunks)
+    cuda = tuple(int(part) for part in str(torch.version.cuda).split(".")[:2])
+    if batched and cuda >= (12, 8):
+        assert arena.batched, "cudaMemcpyBatchAsync failed its start-up check"
+    arena.batched = arena.batched and batched
     pages = list(range(20))
     slabs = [*range(8, 24), 40, 2, 60, 61]  # a chunk edge at 16, and stragglers
     image = list(range(95, 95 - arena.grid.geometry.image_slabs, -1))

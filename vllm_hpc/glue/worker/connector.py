@@ -114,7 +114,11 @@ class ConnectorWorker:
         )
         started = time.perf_counter()
         self._arena = HostArena(layout, grid)
-        logger.info("hybrid-prefix host tier ready in %.1f s", time.perf_counter() - started)
+        logger.info(
+            "hybrid-prefix host tier ready in %.1f s%s",
+            time.perf_counter() - started,
+            " (batched copies)" if self._arena.batched else "",
+        )
         pool.restores = self._restores
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:

@@ -4,6 +4,9 @@
   one strided copy per plane. PyTorch's `copy_` between a strided host view and a strided
   device view stages through unpinned temporaries and blocks the CPU, so it cannot overlap a
   restore with compute.
+- `cudaMemcpyBatchAsync` (CUDA 12.8+): a batch's thousands of byte ranges in one call. Issued one
+  call a range from Python, a burst's write-through costs the engine's one thread several
+  milliseconds a step (`benchmarks/results/gpu_load.md`, run 5).
 - `cudaHostRegister` / `cudaHostUnregister`: PyTorch's pinned allocator rounds every allocation
   up to a power of two, which would cost up to twice a chunk's size; registering ordinary memory
   pins exactly the bytes asked for.
@@ -15,11 +18,30 @@ the current device and the primary context are PyTorch's.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
+_SRC_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order
+_LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType
+_PREFER_OVERLAP = 1  # cudaMemcpyFlagPreferOverlapWithCompute
+_BATCH_SINCE = 12080  # cudaMemcpyBatchAsync's first runtime version
+_BATCH_WITHOUT_FAIL_INDEX = 13000  # CUDA 13 dropped its failIdx argument
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_location", _MemLocation),
+        ("dst_location", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class CudaRuntime:
@@ -48,6 +70,14 @@ class CudaRuntime:
         lib.cudaDeviceGetAttribute.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        version = ctypes.c_int()
+        self._check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
+        self.version = int(version.value)
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)
+        if self.version < _BATCH_SINCE:
+            self._batch = None
+        if self._batch is not None:
+            self._batch.restype = ctypes.c_int
 
     def _check(self, err: int, what: str) -> None:
         if err != 0:
@@ -72,6 +102,45 @@ class CudaRuntime:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         err = self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
         self._check(err, "cudaMemcpyAsync")
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def memcpy_batch_async(
+        self,
+        dsts: Sequence[int],
+        srcs: Sequence[int],
+        sizes: Sequence[int],
+        to_host: bool,
+        device: int,
+        stream: int,
+    ) -> None:
+        """One call for many byte ranges between the device and pinned host memory, in stream
+        order, in any order among themselves (they never overlap)."""
+        if self._batch is None:
+            raise RuntimeError(f"cudaMemcpyBatchAsync needs CUDA 12.8+, not {self.version}")
+        count = len(sizes)
+        device_side = _MemLocation(_LOCATION_DEVICE, device)
+        host_side = _MemLocation(_LOCATION_HOST, 0)
+        src, dst = (device_side, host_side) if to_host else (host_side, device_side)
+        attributes = _MemcpyAttributes(_SRC_ORDER_STREAM, src, dst, _PREFER_OVERLAP)
+        first = (ctypes.c_size_t * 1)(0)
+        args: list[object] = [
+            (ctypes.c_void_p * count)(*dsts),
+            (ctypes.c_void_p * count)(*srcs),
+            (ctypes.c_size_t * count)(*sizes),
+            ctypes.c_size_t(count),
+            ctypes.byref(attributes),
+            first,
+            ctypes.c_size_t(1),
+        ]
+        failed = ctypes.c_size_t(0)
+        if self.version < _BATCH_WITHOUT_FAIL_INDEX:
+            args.append(ctypes.byref(failed))
+        args.append(ctypes.c_void_p(stream))
+        err = self._batch(*args)
+        self._check(err, f"cudaMemcpyBatchAsync of {count} ranges")
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         self._check(self._lib.cudaHostRegister(ptr, nbytes, 0), "cudaHostRegister")

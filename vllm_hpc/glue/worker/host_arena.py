@@ -6,17 +6,21 @@ fills one slab, a snapshot image is split over ``image_slabs`` scattered slabs (
 chunks of whole slabs, at most 4 GiB each, laid out exactly as the index numbers them.
 
 Copies move runs of consecutive pages whose slabs are consecutive in one chunk as one strided
-copy per plane. Write-through batches run on a transfer stream; a restore runs on a restore
-stream in the order a forward pass reads it (the tail's page first, then layer by layer), with
-an event after each part, so the first prefill pass waits per layer and computes while later
-layers still arrive (§6.5, §11.1). Both streams first wait for the compute stream's queued work:
-write sources and restore destinations may be touched by kernels already queued.
+copy per plane. On CUDA 12.8+ each part of a batch goes to the driver as its byte ranges in one
+`cudaMemcpyBatchAsync` call, checked once at start-up against the per-copy calls it replaces
+(which stay the fallback). Write-through batches run on a transfer stream; a restore runs on a
+restore stream in the order a forward pass reads it (the tail's page first, then layer by
+layer), with an event after each part, so the first prefill pass waits per layer and computes
+while later layers still arrive (§6.5, §11.1). Both streams first wait for the compute stream's
+queued work: write sources and restore destinations may be touched by kernels already queued.
 
-On CPU the same plans run synchronously with `copy_` over ordinary memory; waits are no-ops.
+On CPU the same byte ranges run synchronously with `copy_` over ordinary memory; waits are
+no-ops.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -30,6 +34,8 @@ from vllm_hpc.glue.worker.cudart import CudaRuntime
 from vllm_hpc.glue.worker.host_layout import DeviceLayout, LayerPlanes, Plane
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
+
+logger = logging.getLogger("vllm.vllm_hpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,8 @@ class ArenaStats:
     bytes_written: int = 0
     bytes_restored: int = 0
     copies: int = 0
-    """Copy calls issued: one per plane per coalesced run, one per image segment."""
+    """Copies planned: one per plane per coalesced run, one per image segment."""
+
     write_batches: int = 0
     restore_batches: int = 0
 
@@ -90,6 +97,16 @@ class _Copy:
     src: _Span
     width: int
     height: int
+
+    def ranges(self) -> Iterator[tuple[int, int, int]]:
+        """(destination offset, source offset, bytes) of the contiguous byte ranges it moves:
+        one, or one a row when a side is strided."""
+        dst, src, width = self.dst, self.src, self.width
+        if self.height == 1 or dst.pitch == src.pitch == width:
+            yield dst.offset, src.offset, width * self.height
+            return
+        for row in range(self.height):
+            yield dst.offset + row * dst.pitch, src.offset + row * src.pitch, width
 
 
 @dataclass
@@ -190,6 +207,8 @@ class HostArena:
         for index, slabs in enumerate(grid.chunk_slabs):
             self.chunks.append(self._allocate(index, slabs * grid.slab_bytes))
         self._coalesce = True
+        self.batched = False
+        """Whether a batch's parts go to the driver as `cudaMemcpyBatchAsync` calls."""
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         if self._cuda is not None:
             max_pitch = self._cuda.max_pitch(layout.device)
@@ -199,6 +218,7 @@ class HostArena:
                 torch.cuda.Stream(layout.device),  # write-through
                 torch.cuda.Stream(layout.device),  # restore
             )
+            self.batched = self._cuda.has_batch and self._batch_round_trips()
 
     def close(self) -> None:
         """Unpin the chunks now (otherwise when the arena is collected)."""
@@ -227,6 +247,48 @@ class HostArena:
                 "locked-memory limit (ulimit -l) for pinned memory"
             ) from error
         return chunk
+
+    def _batch_round_trips(self) -> bool:
+        """Whether `cudaMemcpyBatchAsync` moves bytes here as the per-copy calls do: slab 0's
+        bytes, in a few ranges, out to the device and back, before any slab holds anything."""
+        assert self._cuda is not None and self._streams is not None
+        slab = self.slab(0)
+        probe = (torch.arange(len(slab), dtype=torch.int32) % 251).to(torch.uint8)
+        scratch = torch.zeros(len(slab), dtype=torch.uint8, device=self.layout.device)
+        width = max(1, len(slab) // 4)
+        offsets = range(0, len(slab) - width + 1, width)
+        host, device = slab.data_ptr(), scratch.data_ptr()
+        stream = self._streams[0]
+        index = self.layout.device.index or 0
+        slab.copy_(probe)
+        try:
+            for to_host, dst, src in ((False, device, host), (True, host, device)):
+                self._cuda.memcpy_batch_async(
+                    [dst + o for o in offsets],
+                    [src + o for o in offsets],
+                    [width] * len(offsets),
+                    to_host,
+                    index,
+                    stream.cuda_stream,
+                )
+                stream.synchronize()
+                if not to_host:
+                    slab.zero_()  # what comes back must be the device's copy
+        except RuntimeError as error:
+            logger.warning(
+                "hybrid-prefix host tier: batched copies unavailable (%s); one call a copy",
+                error,
+            )
+            return False
+        moved = width * len(offsets)
+        same = torch.equal(slab[:moved], probe[:moved])
+        slab.zero_()
+        if not same:
+            logger.warning(
+                "hybrid-prefix host tier: cudaMemcpyBatchAsync moved the wrong bytes in its "
+                "start-up check; one call a copy"
+            )
+        return same
 
     # -- batches ----------------------------------------------------------------------------
 
@@ -388,7 +450,10 @@ class HostArena:
             started = time.perf_counter()
             for step in steps:
                 for copy in step.copies:
-                    _view(copy.dst, copy).copy_(_view(copy.src, copy))
+                    for dst, src, nbytes in copy.ranges():
+                        copy.dst.storage[dst : dst + nbytes].copy_(
+                            copy.src.storage[src : src + nbytes]
+                        )
             return [], CopyTiming(cpu_seconds=time.perf_counter() - started)
         stream = self._streams[stream_index]
         if after is None:
@@ -402,21 +467,10 @@ class HostArena:
         start.record(stream)
         events = []
         for index, step in enumerate(steps):
-            for copy in step.copies:
-                dst = copy.dst.storage.data_ptr() + copy.dst.offset
-                src = copy.src.storage.data_ptr() + copy.src.offset
-                if copy.height == 1:
-                    self._cuda.memcpy_async(dst, src, copy.width, stream.cuda_stream)
-                else:
-                    self._cuda.memcpy_2d_async(
-                        dst,
-                        copy.dst.pitch,
-                        src,
-                        copy.src.pitch,
-                        copy.width,
-                        copy.height,
-                        stream.cuda_stream,
-                    )
+            if self.batched:
+                self._issue_batch(step, stream)
+            else:
+                self._issue_each(step, stream)
             last = index == len(steps) - 1
             if events_per_step or last:
                 event = torch.cuda.Event(enable_timing=last)
@@ -424,13 +478,45 @@ class HostArena:
                 events.append(event)
         return events, CopyTiming(start, events[-1] if events else None)
 
+    def _issue_batch(self, step: _Step, stream: torch.cuda.Stream) -> None:
+        assert self._cuda is not None
+        if not step.copies:
+            return
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        for copy in step.copies:
+            dst_base = copy.dst.storage.data_ptr()
+            src_base = copy.src.storage.data_ptr()
+            for dst, src, nbytes in copy.ranges():
+                dsts.append(dst_base + dst)
+                srcs.append(src_base + src)
+                sizes.append(nbytes)
+        to_host = step.copies[0].src.storage.is_cuda
+        index = self.layout.device.index or 0
+        self._cuda.memcpy_batch_async(dsts, srcs, sizes, to_host, index, stream.cuda_stream)
+
+    def _issue_each(self, step: _Step, stream: torch.cuda.Stream) -> None:
+        assert self._cuda is not None
+        for copy in step.copies:
+            dst = copy.dst.storage.data_ptr() + copy.dst.offset
+            src = copy.src.storage.data_ptr() + copy.src.offset
+            if copy.height == 1:
+                self._cuda.memcpy_async(dst, src, copy.width, stream.cuda_stream)
+            else:
+                self._cuda.memcpy_2d_async(
+                    dst,
+                    copy.dst.pitch,
+                    src,
+                    copy.src.pitch,
+                    copy.width,
+                    copy.height,
+                    stream.cuda_stream,
+                )
+
 
 def _pair(host: _Span, device: _Span, width: int, height: int, to_host: bool) -> _Copy:
     return _Copy(host, device, width, height) if to_host else _Copy(device, host, width, height)
-
-
-def _view(span: _Span, copy: _Copy) -> torch.Tensor:
-    return span.storage.as_strided((copy.height, copy.width), (span.pitch, 1), span.offset)
 
 
 def _bytes(steps: list[_Step]) -> int:

@@ -60,7 +60,7 @@ def _state_pool() -> StatePool:
     return bound_pool(torch.device("cpu"), GDN, shapes, dtypes, rows=6)
 
 
-def _arena(
+def cpu_arena(
     dtype: torch.dtype = torch.bfloat16,
     layout: KVCacheLayout = KVCacheLayout.LBHNC,
     capacity: int = 40,
@@ -127,7 +127,7 @@ def test_block_record_is_layer_major_in_forward_order() -> None:
 def test_runs_coalesce_into_one_copy_per_plane(
     pages: list[int], slabs: list[int], runs: int
 ) -> None:
-    arena = _arena(slabs_per_chunk=8)
+    arena = cpu_arena(slabs_per_chunk=8)
     arena.write(blocks=_pairs(pages, slabs))
     assert arena.stats.copies == runs * len(ATTENTION)
     arena.restore(blocks=_pairs(pages, slabs))
@@ -135,7 +135,7 @@ def test_runs_coalesce_into_one_copy_per_plane(
 
 
 def test_head_outer_layouts_copy_one_plane_per_head() -> None:
-    arena = _arena(layout=KVCacheLayout.LHBNC)
+    arena = cpu_arena(layout=KVCacheLayout.LHBNC)
     arena.write(blocks=[PageSlab(0, 0), PageSlab(1, 1)])
     assert arena.stats.copies == len(ATTENTION) * 2  # two heads, one run
 
@@ -184,7 +184,7 @@ def test_image_round_trip_over_scattered_slabs(slabs_per_chunk: int) -> None:
 
 
 def test_consecutive_image_slabs_merge_copies() -> None:
-    scattered, consecutive = _arena(), _arena()
+    scattered, consecutive = cpu_arena(), cpu_arena()
     count = scattered.layout.geometry.image_slabs
     scattered.write(images=[ImageCopy(4, tuple(range(2 * count, 0, -2)))])
     consecutive.write(images=[ImageCopy(4, tuple(range(count)))])
@@ -194,7 +194,7 @@ def test_consecutive_image_slabs_merge_copies() -> None:
 
 
 def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    arena = _arena()
+    arena = cpu_arena()
     count = arena.layout.geometry.image_slabs
     image = list(range(10, 10 + count))
     kv = {layer.name: layer for layer in arena.layout.layers}
@@ -243,7 +243,7 @@ def test_geometry_mismatch_is_refused() -> None:
 
 
 def test_chunks_hold_whole_slabs() -> None:
-    arena = _arena(capacity=40, slabs_per_chunk=16)
+    arena = cpu_arena(capacity=40, slabs_per_chunk=16)
     slab = arena.grid.slab_bytes
     assert [c.numel() for c in arena.chunks] == [16 * slab, 16 * slab, 8 * slab]
 
@@ -261,7 +261,7 @@ def test_allocation_failure_names_the_option(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_transfer_meter_reports_landed_copies_as_seconds_and_bandwidth() -> None:
-    arena = _arena(torch.bfloat16)
+    arena = cpu_arena(torch.bfloat16)
     meter = TransferMeter()
     meter.track("write", arena.write(blocks=_pairs([1, 2], [20, 21])))
     meter.track("restore", arena.restore(blocks=[PageSlab(8, 20)]))
@@ -288,6 +288,6 @@ def test_a_failed_chunk_allocation_names_the_option_and_releases_the_others(
         host_arena, "_unregister", lambda cuda, chunks: released.append(len(chunks))
     )
     with pytest.raises(RuntimeError, match=r"host tier chunk 1 .*--host-cache-mib"):
-        _arena(capacity=40, slabs_per_chunk=16)
+        cpu_arena(capacity=40, slabs_per_chunk=16)
     gc.collect()
     assert released == [1]

@@ -118,7 +118,10 @@ def test_a_restart_resumes_each_conversation_from_the_restored_snapshot(
     logged(caplog)
     with started(saved.path) as llm:
         cache = cache_of(llm)
-        assert "prefix cache restored from" in logged(caplog)
+        log = logged(caplog)
+        assert "prefix cache restored from" in log
+        # The whole save was read into the host tier while the engine started (§5.5).
+        assert "read while the engine started" in log
         store = cache.index.store
         assert store.snapshots, "nothing restored"
         assert all(s.image_host is Residency.RESIDENT for s in store.snapshots)
@@ -154,6 +157,7 @@ def test_a_smaller_host_tier_restores_the_most_valuable_snapshots(
         restored = sorted((s.frontier, s.tail) for s in store.snapshots)
         assert restored == sorted((s.frontier, s.tail) for s in plan.snapshots)
         assert f"{len(plan.snapshots)} of {len(whole.snapshots)} snapshots" in log
+        assert "read while the engine started" not in log  # read after the choice, as before
         cache.audit()
         frontiers = {s.frontier for s in store.snapshots}
         for seed, conversation in enumerate(saved.conversations, start=20):

@@ -46,6 +46,17 @@ def test_exhaustion_and_reuse() -> None:
         pool.free([SlabId(2), SlabId(2)])
 
 
+def test_take_claims_named_free_slabs_or_nothing() -> None:
+    pool = HostSlabPool(8 * 4096, HostGeometry(4096, 4096))
+    pool.take([SlabId(5), SlabId(2)], SlabUse.IMAGE)
+    assert pool.use(SlabId(5)) is SlabUse.IMAGE and pool.num_in_use(SlabUse.IMAGE) == 2
+    for bad in ([SlabId(2)], [SlabId(8)], [SlabId(1), SlabId(1)]):  # in use, beyond, twice
+        with pytest.raises(ValueError):
+            pool.take(bad, SlabUse.NODE)
+    assert pool.num_free == 6 and pool.use(SlabId(1)) is SlabUse.FREE
+    assert pool.allocate(6, SlabUse.NODE) == [0, 1, 3, 4, 6, 7]
+
+
 @pytest.mark.parametrize("block_bytes", [MIB, 3 * MIB + 1, 1000 * MIB])
 def test_chunks_hold_whole_slabs_and_never_exceed_4_gib(block_bytes: int) -> None:
     geometry = HostGeometry(block_bytes, block_bytes)

@@ -12,6 +12,7 @@ from vllm_hpc.index import (
     Residency,
     SavedCache,
     SnapshotKind,
+    file_placement,
     plan_host_restore,
 )
 from vllm_hpc.index.cache_load import restore_density
@@ -52,6 +53,8 @@ def test_load_rebuilds_host_only_and_the_next_turn_restores_from_host() -> None:
     fresh.check_invariants()
     assert loaded.complete and loaded.snapshots == 2 and loaded.blocks == len(saved.blocks)
     assert sorted(loaded.slabs) == saved.slabs
+    # A whole save goes where the file order puts it: the workers may have read it there.
+    assert loaded.slabs == file_placement(saved) == {s: k for k, s in enumerate(saved.slabs)}
     assert loaded.bytes == loaded.saved_bytes == len(saved.slabs) * 4096
     store = fresh.store
     assert all(s.slot is None and s.tail_device is Residency.ABSENT for s in store.snapshots)
@@ -111,6 +114,7 @@ def test_a_smaller_host_tier_keeps_whole_snapshots_by_value_per_byte(
     wanted = sorted(replace(saved, snapshots=chosen, blocks=plan.blocks).slabs)
     assert sorted(loaded.slabs) == wanted and plan.slabs == len(wanted)
     assert fresh.store.slabs.num_free == slabs - len(wanted)
+    assert (loaded.slabs == file_placement(saved)) == loaded.complete
 
 
 def test_density_is_hits_times_prefill_from_the_root_per_byte() -> None:

@@ -13,7 +13,7 @@ from vllm_hpc.index.admission import (
     SourceOption,
 )
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
-from vllm_hpc.index.cache_load import LoadedCache, RestorePlan, plan_host_restore
+from vllm_hpc.index.cache_load import LoadedCache, RestorePlan, file_placement, plan_host_restore
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.cost_model import CacheCostModel, CostModel
 from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
@@ -103,6 +103,7 @@ __all__ = [
     "TapPolicy",
     "TapRequest",
     "TapSource",
+    "file_placement",
     "plan_host_restore",
     "prepare_prompt",
     "resume_floor",

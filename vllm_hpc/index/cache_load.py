@@ -5,6 +5,11 @@ its time-dependent base: (1 + hits) × the prefill a restore saves from the root
 image, tail and anchor path. Each comes with exactly the path blocks it needs; a block that an
 earlier choice brought already costs nothing. The entries come back host-only, so their first
 requests restore through the ordinary host path.
+
+A save that the host tier holds whole goes back into the slabs its file order names (saved
+slab ``k`` of the file into slab ``k``: `file_placement`), so each worker can read the file
+into its host tier while the engine still starts, before the index is built, and the load then
+only claims those slabs.
 """
 
 from __future__ import annotations
@@ -94,6 +99,11 @@ def plan_host_restore(saved: SavedCache, free_slabs: int, value: GdsfValuation) 
     )
 
 
+def file_placement(saved: SavedCache) -> dict[SlabId, SlabId]:
+    """Where a whole save's slabs go: each into the slab of its position in the file."""
+    return {slab: SlabId(position) for position, slab in enumerate(saved.slabs)}
+
+
 def load_saved(store: CacheStore, saved: SavedCache) -> LoadedCache:
     """Rebuild the planned part of ``saved`` in the empty ``store``, host-only, parents first.
 
@@ -112,18 +122,14 @@ def load_saved(store: CacheStore, saved: SavedCache) -> LoadedCache:
             return store.tree.root_for(salts[saved_id])
         return nodes[saved_id]
 
-    slabs: dict[SlabId, SlabId] = {}
+    slabs = _place(store, saved, plan)
     for block in plan.blocks:
-        (slab,) = _allocate(store, 1, SlabUse.NODE)
-        nodes[block.id] = store.add_host_node(node(block.parent), block.tokens, block.extra, slab)
-        slabs[block.slab] = slab
+        nodes[block.id] = store.add_host_node(
+            node(block.parent), block.tokens, block.extra, slabs[block.slab]
+        )
     for snapshot in plan.snapshots:
-        image = _allocate(store, len(snapshot.image_slabs), SlabUse.IMAGE)
-        slabs.update(zip(snapshot.image_slabs, image, strict=True))
-        tail = None
-        if snapshot.tail_slab is not None:
-            (tail,) = _allocate(store, 1, SlabUse.TAIL)
-            slabs[snapshot.tail_slab] = tail
+        image = [slabs[slab] for slab in snapshot.image_slabs]
+        tail = None if snapshot.tail_slab is None else slabs[snapshot.tail_slab]
         store.add_host_snapshot(
             node(snapshot.anchor), snapshot.tail, snapshot.kind, image, tail, snapshot.hits
         )
@@ -139,9 +145,26 @@ def load_saved(store: CacheStore, saved: SavedCache) -> LoadedCache:
     )
 
 
-def _allocate(store: CacheStore, count: int, use: SlabUse) -> list[SlabId]:
-    slabs = store.slabs.allocate(count, use)
-    assert slabs is not None, "the plan took more slabs than were free"
+def _place(store: CacheStore, saved: SavedCache, plan: RestorePlan) -> dict[SlabId, SlabId]:
+    """Saved slab -> its slab here, each claimed for its use: the file's placement for a whole
+    save, otherwise ascending free slabs per use (consecutive runs copy as one)."""
+    uses = {
+        SlabUse.NODE: [block.slab for block in plan.blocks],
+        SlabUse.IMAGE: [slab for s in plan.snapshots for slab in s.image_slabs],
+        SlabUse.TAIL: [s.tail_slab for s in plan.snapshots if s.tail_slab is not None],
+    }
+    whole = plan.slabs == len(saved.slabs)
+    placement = file_placement(saved) if whole else {}
+    slabs: dict[SlabId, SlabId] = {}
+    for use, kept in uses.items():
+        if whole:
+            taken = [placement[slab] for slab in kept]
+            store.slabs.take(taken, use)
+        else:
+            allocated = store.slabs.allocate(len(kept), use)
+            assert allocated is not None, "the plan took more slabs than were free"
+            taken = allocated
+        slabs.update(zip(kept, taken, strict=True))
     return slabs
 
 

@@ -118,6 +118,20 @@ class HostSlabPool:
         self._in_use[use] += count
         return taken
 
+    def take(self, slabs: list[SlabId], use: SlabUse) -> None:
+        """Claim these free slabs: a load whose bytes the workers already read into them
+        (§5.5). ValueError, before changing anything, for a slab out of range or in use."""
+        assert use is not SlabUse.FREE
+        wanted = set(slabs)
+        if len(wanted) != len(slabs):
+            raise ValueError("a slab is named twice")
+        if any(not 0 <= slab < self.capacity or self._uses[slab] != SlabUse.FREE for slab in slabs):
+            raise ValueError("a slab to take is out of range or not free")
+        self._free = [slab for slab in self._free if slab not in wanted]
+        for slab in slabs:
+            self._uses[slab] = use
+        self._in_use[use] += len(slabs)
+
     def free(self, slabs: tuple[SlabId, ...] | list[SlabId]) -> None:
         for slab in slabs:
             assert self._uses[slab] != SlabUse.FREE, f"slab {slab} freed twice"

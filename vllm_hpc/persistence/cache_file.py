@@ -74,6 +74,8 @@ class CacheFile:
     sections: tuple[Section, ...]
     data_offset: int
     """D: where the data starts in the file."""
+    identity: tuple[int, int, int, int]
+    """(device, inode, size, mtime ns) when opened: whether another open saw the same file."""
 
     def section(self, rank: int) -> Section | None:
         return next((s for s in self.sections if s.rank == rank), None)
@@ -84,11 +86,13 @@ class CacheFile:
         wanted: Iterable[SlabId],
         target: SlabTarget,
         progress: Progress | None = None,
+        cancel: Callable[[], bool] = lambda: False,
     ) -> str | None:
         """Read each wanted saved slab of ``rank``'s section straight into the buffer
         ``target`` gives for it (the host tier's own slab: no copy through Python), then check
         it against its checksum; None when all arrived, else why not (the buffers read so far
-        hold bytes, the last one damaged ones: the caller drops what the load built)."""
+        hold bytes, the last one damaged ones: the caller drops what the load built).
+        ``cancel`` is asked before each slab."""
         section = self.section(rank)
         if section is None:
             return f"no slab section for rank {rank}"
@@ -102,6 +106,8 @@ class CacheFile:
         try:
             with open(self.path, "rb", buffering=0) as file:
                 for index in order:
+                    if cancel():
+                        return "cancelled"
                     buffer = target(self.saved.slabs[index])
                     file.seek(self.data_offset + section.offset + index * size)
                     if _read_into(file, buffer) != size:
@@ -207,12 +213,14 @@ def remove_temporaries(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def open_cache_file(
-    path: str | os.PathLike[str], fingerprint: Mapping[str, Any]
+    path: str | os.PathLike[str], fingerprint: Mapping[str, Any] | None
 ) -> CacheFile | str:
     """The file's validated header, tables and checksum lists, or why it cannot be used.
 
     Never raises for a bad file: a truncated or damaged one, another engine's (the differing
     fingerprint keys are named), another format version or not a prefix cache file at all.
+    ``fingerprint`` None skips that one check: for a reader whose bytes are used only once the
+    engine core has checked the same file (a worker's read during start-up).
     """
     target = Path(path)
     try:
@@ -226,8 +234,9 @@ def open_cache_file(
         return f"malformed: {exc!r}"
 
 
-def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any]) -> CacheFile | str:
-    size = os.fstat(file.fileno()).st_size
+def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any] | None) -> CacheFile | str:
+    stat = os.fstat(file.fileno())
+    size = stat.st_size
     prelude = file.read(_PRELUDE.size)
     if len(prelude) < _PRELUDE.size or not prelude.startswith(MAGIC):
         return "not a prefix cache file"
@@ -255,7 +264,7 @@ def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any]) -> CacheFil
     if size != expected_size:
         which = "truncated" if size < expected_size else "longer than its header says"
         return f"{which}: {size} bytes, the header says {expected_size}"
-    wanted = json.loads(json.dumps(dict(expected)))
+    wanted = found if expected is None else json.loads(json.dumps(dict(expected)))
     differing = sorted(k for k in wanted.keys() | found.keys() if wanted.get(k) != found.get(k))
     if differing:
         return f"foreign fingerprint: {', '.join(differing)} differ"
@@ -280,7 +289,8 @@ def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any]) -> CacheFil
             return f"bad checksum in rank {section.rank}'s slab checksums"
         checksums = struct.unpack(f"<{slab_count}I", listed)
         sections.append(Section(section.rank, section.offset, section.slab_bytes, checksums))
-    return CacheFile(target, saved, tuple(sections), data_offset)
+    identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return CacheFile(target, saved, tuple(sections), data_offset, identity)
 
 
 class _Cancelled(Exception):

@@ -51,6 +51,9 @@ class FileCounters:
     file_restored_blocks: int = 0
     file_restored_bytes: int = 0
     file_load_milliseconds: int = 0
+    """What the load added to start-up: with a read during start-up, only the wait for it."""
+    file_read_during_startup_milliseconds: int = 0
+    """The workers' read of the file while the engine started (the slowest rank's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +186,12 @@ FILE = (
     Metric(
         "file_load_milliseconds",
         "vllm:hpc_file_load_milliseconds",
-        "Milliseconds the start-up load of --prefix-cache-file took",
+        "Milliseconds the load of --prefix-cache-file added to start-up",
+    ),
+    Metric(
+        "file_read_during_startup_milliseconds",
+        "vllm:hpc_file_read_during_startup_milliseconds",
+        "Milliseconds the workers read --prefix-cache-file while the engine was starting",
     ),
 )
 """`FileCounters` fields."""

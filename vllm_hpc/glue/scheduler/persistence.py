@@ -3,10 +3,12 @@
 The index lives here, in the engine core; the slab bytes live in the workers' host tiers. So a
 load opens the file and checks it here (header, fingerprint, tables, checksum lists: no slab
 bytes), rebuilds the entries host-only in the index, then has each worker read its own slab
-bytes into the slabs the index gave them (`glue/worker/persistence.py`). A save lets the
-pending copies run and every host write land, exports the tables, and has the worker write the
-file with its slab bytes. Both reach the workers through the engine core's `collective_rpc`
-(`glue/scheduler/engine_core.py` calls in at start-up and at shutdown).
+bytes into the slabs the index gave them (`glue/worker/persistence.py`). A whole save goes
+into the slabs of its file order, which each worker started reading while the engine was
+still starting (`glue/worker/preload.py`): then the load only waits for that read to end.
+A save lets the pending copies run and every host write land, exports the tables, and has the
+worker write the file with its slab bytes. Both reach the workers through the engine core's
+`collective_rpc` (`glue/scheduler/engine_core.py` calls in at start-up and at shutdown).
 
 Tensor parallelism is refused by the plugin today; the file already has one slab section per
 rank. With more ranks, each worker would write its section at the offset the tables fix (one
@@ -28,6 +30,7 @@ from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.persistence import (
     SlabTransfer,
     copy_failure,
+    end_preload,
     land_host_writes,
     load_slabs,
     save_slabs,
@@ -53,7 +56,14 @@ class PrefixCacheFile:
         self.cache = cache
 
     def restore(self, rpc: Rpc) -> None:
-        """Load the file into the empty cache, or log why not and start empty."""
+        """Load the file into the empty cache, or log why not and start empty. The workers'
+        start-up reads end either way before the first request."""
+        try:
+            self._restore(rpc)
+        finally:
+            rpc(end_preload)
+
+    def _restore(self, rpc: Rpc) -> None:
         for stale in remove_temporaries(self.path):
             logger.warning("prefix cache file: removed %s, left by a save that was killed", stale)
         started = time.perf_counter()
@@ -66,7 +76,8 @@ class PrefixCacheFile:
         except ValueError as error:
             logger.warning("prefix cache not restored: %s", error)
             return
-        refused = _refusal(rpc(load_slabs, opened, loaded.slabs))
+        results = rpc(load_slabs, opened, loaded.slabs)
+        refused = _refusal(results)
         if refused is not None:
             self.cache.reset()
             logger.warning("prefix cache not restored: %s", refused)
@@ -77,9 +88,12 @@ class PrefixCacheFile:
         counters.file_restored_blocks += loaded.blocks
         counters.file_restored_bytes += loaded.bytes
         counters.file_load_milliseconds += round(seconds * 1000)
+        read = _read_during_start_up(results)
+        if read is not None:
+            counters.file_read_during_startup_milliseconds += round(read * 1000)
         logger.info(
             "prefix cache restored from %s: %d of %d snapshots, %d of %d blocks, %.1f MiB in "
-            "%.2f s (%.0f MiB/s)%s",
+            "%.2f s (%.0f MiB/s)%s%s",
             self.path,
             loaded.snapshots,
             loaded.saved_snapshots,
@@ -89,6 +103,7 @@ class PrefixCacheFile:
             seconds,
             loaded.bytes / 2**20 / max(seconds, 1e-9),
             "" if loaded.complete else " (the host tier is smaller than the save: kept by value)",
+            "" if read is None else f"; read while the engine started, in {read:.2f} s",
         )
 
     def save(self, rpc: Rpc, idle_step: Callable[[], None], failure: str | None) -> None:
@@ -153,6 +168,14 @@ def _forward_to_workers(signum: int) -> None:
     for child in multiprocessing.active_children():
         if child.pid is not None:
             os.kill(child.pid, signum)
+
+
+def _read_during_start_up(results: list[SlabTransfer]) -> float | None:
+    """The slowest worker's read during start-up, when every worker's load used its own."""
+    reads = [r.read_during_start_up for r in results]
+    if not reads or any(read is None for read in reads):
+        return None
+    return max(read for read in reads if read is not None)
 
 
 def _refusal(results: list[SlabTransfer]) -> str | None:

@@ -19,6 +19,7 @@ from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
+from vllm_hpc.glue.worker.preload import Preload, tensor_parallel_rank
 from vllm_hpc.glue.worker.transfer_meter import TransferMeter
 from vllm_hpc.options import PluginOptions
 
@@ -79,11 +80,17 @@ class ConnectorWorker:
         self._prefetches: list[RestoreHandle] = []
         self.failed: CacheCopyError | None = None
         """The copy error this worker stopped on: its host tier is not saved (§5.5)."""
+        self._preload: Preload | None = None
 
     @property
     def arena(self) -> HostArena | None:
         """The host tier's slabs (None without one)."""
         return self._arena
+
+    def take_preload(self) -> Preload | None:
+        """The start-up read of the prefix cache file, once (None without one)."""
+        preload, self._preload = self._preload, None
+        return preload
 
     def stats(self) -> HybridPrefixStats | None:
         return self.meter.read()
@@ -120,6 +127,8 @@ class ConnectorWorker:
             " (batched copies)" if self._arena.batched else "",
         )
         pool.restores = self._restores
+        if options.prefix_cache_file is not None:
+            self._preload = Preload(options.prefix_cache_file, self._arena, tensor_parallel_rank())
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)

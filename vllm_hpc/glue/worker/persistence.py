@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -20,6 +20,7 @@ from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
 from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.connector import ConnectorWorker
 from vllm_hpc.glue.worker.host_arena import HostArena
+from vllm_hpc.glue.worker.preload import progress_log, tensor_parallel_rank
 from vllm_hpc.index import SavedCache, SlabId
 from vllm_hpc.persistence import CacheFile, write_cache_file
 from vllm_hpc.runtime.plan import HostWrite
@@ -36,6 +37,9 @@ class SlabTransfer:
     seconds: float = 0.0
     refused: str | None = None
     """Why nothing (or not everything) moved; None when it all did."""
+    read_during_start_up: float | None = None
+    """A load whose bytes the worker read while the engine started: that read's seconds
+    (``seconds`` is then only the wait for its end)."""
 
 
 def copy_failure(worker: Any) -> str | None:
@@ -78,8 +82,8 @@ def save_slabs(
                 path,
                 fingerprint,
                 saved,
-                {_rank(): partial(_slab_bytes, arena, armed("save_slow"))},
-                progress=_progress("saving", started),
+                {tensor_parallel_rank(): partial(_slab_bytes, arena, armed("save_slow"))},
+                progress=progress_log("saving", started),
                 cancel=abandoned.is_set,
             )
     except OSError as error:  # a full disk, a file-size limit: the temporary file is gone
@@ -92,18 +96,35 @@ def save_slabs(
 
 def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId]) -> SlabTransfer:
     """Copy each saved slab this rank's section holds into the host slab ``slabs`` maps it to,
-    checking each against its checksum; on a refusal some slabs may have been written (the
-    caller empties the index, so they count as free)."""
-    arena = _arena(_connector())
+    checking each against its checksum, unless the start-up read already did exactly that; on
+    a refusal some slabs may have been written (the caller empties the index, so they count
+    as free)."""
+    connector = _connector()
+    arena = _arena(connector)
     started = time.perf_counter()
+    nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
+    preload = connector.take_preload()
+    if preload is not None:
+        read, waited = preload.finish()
+        if read.covers(cache_file, slabs):
+            return SlabTransfer(nbytes, waited, read_during_start_up=read.seconds)
 
     def target(saved: SlabId) -> memoryview:
         return memoryview(arena.slab(slabs[saved]).numpy())
 
-    refused = cache_file.read_slabs(_rank(), slabs, target, _progress("restoring", started))
+    refused = cache_file.read_slabs(
+        tensor_parallel_rank(), slabs, target, progress_log("restoring", started)
+    )
     seconds = time.perf_counter() - started
-    nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
     return SlabTransfer(0 if refused else nbytes, seconds, refused)
+
+
+def end_preload(worker: Any) -> None:
+    """Stop the start-up read if no load took it (the engine core refused the file): the
+    slabs it filled are free, and nothing may write into them after this."""
+    preload = _connector().take_preload()
+    if preload is not None:
+        preload.cancel()
 
 
 def _slab_bytes(arena: HostArena, slow: bool, slab: SlabId) -> bytes:
@@ -124,29 +145,6 @@ def _arena(connector: ConnectorWorker) -> HostArena:
     arena = connector.arena
     assert arena is not None, "--prefix-cache-file is refused without a host tier"
     return arena
-
-
-def _rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank())
-
-
-def _progress(doing: str, started: float) -> Callable[[int, int], None]:
-    """Log a progress line: bytes done, time and rate (every 64 MiB and at the end)."""
-
-    def report(done: int, total: int) -> None:
-        seconds = time.perf_counter() - started
-        logger.info(
-            "prefix cache file: %s %.1f of %.1f MiB, %.2f s, %.0f MiB/s",
-            doing,
-            done / 2**20,
-            total / 2**20,
-            seconds,
-            done / 2**20 / max(seconds, 1e-9),
-        )
-
-    return report
 
 
 def _abandoning(signum: int) -> None:

@@ -91,19 +91,23 @@ class PrefixCacheFile:
         read = _read_during_start_up(results)
         if read is not None:
             counters.file_read_during_startup_milliseconds += round(read * 1000)
+        if read is None:
+            timing = f"in {seconds:.2f} s ({_mib_per_s(loaded.bytes, seconds)})"
+        else:
+            timing = (
+                f"read while the engine started in {read:.2f} s "
+                f"({_mib_per_s(loaded.bytes, read)}), {seconds:.2f} s added to start-up"
+            )
         logger.info(
-            "prefix cache restored from %s: %d of %d snapshots, %d of %d blocks, %.1f MiB in "
-            "%.2f s (%.0f MiB/s)%s%s",
+            "prefix cache restored from %s: %d of %d snapshots, %d of %d blocks, %.1f MiB %s%s",
             self.path,
             loaded.snapshots,
             loaded.saved_snapshots,
             loaded.blocks,
             loaded.saved_blocks,
             loaded.bytes / 2**20,
-            seconds,
-            loaded.bytes / 2**20 / max(seconds, 1e-9),
+            timing,
             "" if loaded.complete else " (the host tier is smaller than the save: kept by value)",
-            "" if read is None else f"; read while the engine started, in {read:.2f} s",
         )
 
     def save(self, rpc: Rpc, idle_step: Callable[[], None], failure: str | None) -> None:
@@ -168,6 +172,10 @@ def _forward_to_workers(signum: int) -> None:
     for child in multiprocessing.active_children():
         if child.pid is not None:
             os.kill(child.pid, signum)
+
+
+def _mib_per_s(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / 2**20 / max(seconds, 1e-9):.0f} MiB/s"
 
 
 def _read_during_start_up(results: list[SlabTransfer]) -> float | None:

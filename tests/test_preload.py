@@ -13,19 +13,23 @@ from test_host_arena import cpu_arena
 
 from tests.index.harness import BLOCK, Harness, make_index, toks
 from vllm_hpc.glue.worker.host_arena import HostArena
-from vllm_hpc.glue.worker.preload import Preload
-from vllm_hpc.index import SavedCache, SlabId, file_placement
+from vllm_hpc.glue.worker.preload import Preload, PreloadResult
+from vllm_hpc.index import PrefixIndex, SavedCache, SlabId, file_placement
 from vllm_hpc.persistence import CacheFile, open_cache_file, write_cache_file
 
 FINGERPRINT = {"model": "tiny-qwen3.5", "vllm_hpc": "test"}
 
 
-def _save(arena: HostArena) -> SavedCache:
-    """Two conversations sharing a block, saved from an index of the arena's geometry."""
+def _index(arena: HostArena) -> PrefixIndex:
     geometry = arena.grid.geometry
-    index = make_index(
+    return make_index(
         host_slabs=40, block_bytes=geometry.block_bytes, image_bytes=geometry.image_bytes
     )
+
+
+def _save(arena: HostArena) -> SavedCache:
+    """Two conversations sharing a block, saved from an index of the arena's geometry."""
+    index = _index(arena)
     h = Harness(index)
     shared = toks(1, BLOCK)
     h.run([*shared, *toks(2, BLOCK)], taps=[2 * BLOCK])
@@ -48,22 +52,22 @@ def _write(path: Path, saved: SavedCache, version: int = 0) -> CacheFile:
     return opened
 
 
-def test_a_whole_save_is_read_into_the_slabs_its_load_claims(tmp_path: Path) -> None:
+def _read(path: Path) -> tuple[HostArena, SavedCache, PreloadResult, CacheFile]:
+    """A save written to ``path``, a worker's read of it, and the engine core's open of it."""
     arena = cpu_arena(capacity=40)
     saved = _save(arena)
-    path = tmp_path / "cache.bin"
-    _write(path, saved)
+    checked = _write(path, saved)
     read, _ = Preload(str(path), arena, rank=0).finish()
+    return arena, saved, read, checked
+
+
+def test_a_whole_save_is_read_into_the_slabs_its_load_claims(tmp_path: Path) -> None:
+    arena, saved, read, checked = _read(tmp_path / "cache.bin")
     assert read.refused is None and read.nbytes == len(saved.slabs) * arena.grid.slab_bytes
     for position, slab in enumerate(saved.slabs):
         assert arena.slab(position).numpy().tobytes() == _record(slab, arena.grid.slab_bytes)
-    # The engine core opens the same file and loads it whole: into the placement read.
-    checked = open_cache_file(path, FINGERPRINT)
-    assert isinstance(checked, CacheFile)
-    geometry = arena.grid.geometry
-    fresh = make_index(
-        host_slabs=40, block_bytes=geometry.block_bytes, image_bytes=geometry.image_bytes
-    )
+    # The engine core loads the file it checked whole: into the placement read.
+    fresh = _index(arena)
     loaded = fresh.load_saved(checked.saved)
     fresh.check_invariants()
     assert loaded.slabs == file_placement(saved) == read.placement
@@ -71,13 +75,8 @@ def test_a_whole_save_is_read_into_the_slabs_its_load_claims(tmp_path: Path) -> 
 
 
 def test_a_part_of_a_save_or_another_file_does_not_use_the_read(tmp_path: Path) -> None:
-    arena = cpu_arena(capacity=40)
-    saved = _save(arena)
     path = tmp_path / "cache.bin"
-    _write(path, saved)
-    read, _ = Preload(str(path), arena, rank=0).finish()
-    checked = open_cache_file(path, FINGERPRINT)
-    assert isinstance(checked, CacheFile)
+    _, saved, read, checked = _read(path)
     some = dict(list(file_placement(saved).items())[:3])
     assert not read.covers(checked, some)
     replaced = _write(path, saved, version=1)  # a save of other bytes renamed into place

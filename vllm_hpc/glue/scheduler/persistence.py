@@ -89,11 +89,10 @@ class PrefixCacheFile:
         counters.file_restored_bytes += loaded.bytes
         counters.file_load_milliseconds += round(seconds * 1000)
         read = _read_during_start_up(results)
-        if read is not None:
-            counters.file_read_during_startup_milliseconds += round(read * 1000)
         if read is None:
             timing = f"in {seconds:.2f} s ({_mib_per_s(loaded.bytes, seconds)})"
         else:
+            counters.file_read_during_startup_milliseconds += round(read * 1000)
             timing = (
                 f"read while the engine started in {read:.2f} s "
                 f"({_mib_per_s(loaded.bytes, read)}), {seconds:.2f} s added to start-up"

@@ -135,9 +135,8 @@ class CudaRuntime:
             first,
             ctypes.c_size_t(1),
         ]
-        failed = ctypes.c_size_t(0)
         if self.version < _BATCH_WITHOUT_FAIL_INDEX:
-            args.append(ctypes.byref(failed))
+            args.append(ctypes.byref(ctypes.c_size_t(0)))  # the failing copy's index
         args.append(ctypes.c_void_p(stream))
         err = self._batch(*args)
         self._check(err, f"cudaMemcpyBatchAsync of {count} ranges")

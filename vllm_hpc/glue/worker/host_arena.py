@@ -79,7 +79,6 @@ class ArenaStats:
     bytes_restored: int = 0
     copies: int = 0
     """Copies planned: one per plane per coalesced run, one per image segment."""
-
     write_batches: int = 0
     restore_batches: int = 0
 

@@ -20,7 +20,7 @@ from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
 from vllm_hpc.glue.stop_signals import stop_signals_caught
 from vllm_hpc.glue.worker.connector import ConnectorWorker
 from vllm_hpc.glue.worker.host_arena import HostArena
-from vllm_hpc.glue.worker.preload import progress_log, tensor_parallel_rank
+from vllm_hpc.glue.worker.preload import progress_log, slab_target, tensor_parallel_rank
 from vllm_hpc.index import SavedCache, SlabId
 from vllm_hpc.persistence import CacheFile, write_cache_file
 from vllm_hpc.runtime.plan import HostWrite
@@ -108,12 +108,8 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
         read, waited = preload.finish()
         if read.covers(cache_file, slabs):
             return SlabTransfer(nbytes, waited, read_during_start_up=read.seconds)
-
-    def target(saved: SlabId) -> memoryview:
-        return memoryview(arena.slab(slabs[saved]).numpy())
-
     refused = cache_file.read_slabs(
-        tensor_parallel_rank(), slabs, target, progress_log("restoring", started)
+        tensor_parallel_rank(), slabs, slab_target(arena, slabs), progress_log("restoring", started)
     )
     seconds = time.perf_counter() - started
     return SlabTransfer(0 if refused else nbytes, seconds, refused)

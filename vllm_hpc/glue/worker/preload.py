@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_hpc.index import SlabId, file_placement
-from vllm_hpc.persistence import CacheFile, open_cache_file
+from vllm_hpc.persistence import CacheFile, SlabTarget, open_cache_file
 
 if TYPE_CHECKING:
     from vllm_hpc.glue.worker.host_arena import HostArena
@@ -99,14 +99,10 @@ class Preload:
         if len(saved.slabs) > grid.capacity:
             return PreloadResult(refused="the save is larger than the host tier")
         placement = file_placement(saved)
-
-        def target(slab: SlabId) -> memoryview:
-            return memoryview(self._arena.slab(placement[slab]).numpy())
-
         refused = opened.read_slabs(
             self._rank,
             placement,
-            target,
+            slab_target(self._arena, placement),
             progress_log("reading during start-up", self._started),
             cancel=self._cancel.is_set,
         )
@@ -117,6 +113,15 @@ class Preload:
             len(placement) * grid.slab_bytes,
             time.perf_counter() - self._started,
         )
+
+
+def slab_target(arena: HostArena, slabs: Mapping[SlabId, SlabId]) -> SlabTarget:
+    """Where a read puts each saved slab: the host slab ``slabs`` maps it to, in place."""
+
+    def target(saved: SlabId) -> memoryview:
+        return memoryview(arena.slab(slabs[saved]).numpy())
+
+    return target
 
 
 def progress_log(doing: str, started: float) -> Callable[[int, int], None]:

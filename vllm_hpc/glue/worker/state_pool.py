@@ -146,8 +146,8 @@ class StatePool:
         if armed("state_copy"):
             raise InjectedFault("injected state copy failure")
         corrupt = armed("snapshot_corrupt")
+        tensors = [t for layer in self._layers.values() for t in layer]
         for wave in copy_waves(copies):
-            tensors = [t for layer in self._layers.values() for t in layer]
             if corrupt:
                 for copy in wave:
                     for tensor in tensors:

@@ -13,7 +13,12 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.scalar_type import scalar_types
 
-from vllm_hpc.tiny_model import QUANT_GROUP_SIZE, tiny_model_path, tiny_quantized_path
+from vllm_hpc.tiny_model import FP8_BLOCK, QUANT_GROUP_SIZE, tiny_model_path, tiny_quantized_path
+
+MARKER = {"gptq": ".qweight", "awq": ".qweight", "fp8": ".weight_scale_inv"}
+"""The tensor that only a quantized layer of each format has."""
+ERROR = {"gptq": 0.15, "awq": 0.15, "fp8": 0.05}
+"""Relative error bound of round-to-nearest: 4 bits in groups of 128, or e4m3 (3 mantissa bits)."""
 
 
 def _awq_unpacked(packed: torch.Tensor) -> torch.Tensor:
@@ -24,6 +29,10 @@ def _awq_unpacked(packed: torch.Tensor) -> torch.Tensor:
 
 def _dequantized(method: str, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     """The [out, in] weight that vLLM's kernel computes with."""
+    if method == "fp8":
+        scale = tensors[f"{module}.weight_scale_inv"]
+        scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        return tensors[f"{module}.weight"].float() * scale
     scales = tensors[f"{module}.scales"].float().repeat_interleave(QUANT_GROUP_SIZE, 0)
     qweight = tensors[f"{module}.qweight"]
     if method == "gptq":
@@ -33,16 +42,17 @@ def _dequantized(method: str, tensors: dict[str, torch.Tensor], module: str) -> 
     return ((_awq_unpacked(qweight) - zeros) * scales).T
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", sorted(MARKER))
 def test_quantized_layers_read_back_as_the_float_weights(method: str) -> None:
     float_model = load_file(str(tiny_model_path() / "model.safetensors"))
     tensors = load_file(str(tiny_quantized_path(method) / "model.safetensors"))
-    quantized = {name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")}
+    marker = MARKER[method]
+    quantized = {name.removesuffix(marker) for name in tensors if name.endswith(marker)}
     assert len(quantized) == 3 * 6 + 7  # 3 GDN layers (3 + MLP 3), 1 attention layer (4 + 3)
     for name, weight in float_model.items():
         module = name.removesuffix(".weight")
         if module in quantized:
             error = (_dequantized(method, tensors, module) - weight.float()).norm()
-            assert error / weight.float().norm() < 0.15, name
+            assert error / weight.float().norm() < ERROR[method], name
         else:
             assert torch.equal(tensors[name], weight), name

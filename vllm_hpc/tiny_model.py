@@ -373,6 +373,10 @@ QUANT_GROUP_SIZE = 128
 that vLLM's CPU kernel (`CPUWNA16LinearKernel`: even groups, input and output sizes multiples of
 32) and its GPTQ config (groups of -1, 32, 64 or 128) accept, and that divides the tiny model's
 input sizes (256 and 512)."""
+FP8_BLOCK = 128
+"""Rows and columns per scale in the FP8 variant, as in the published FP8 checkpoints."""
+FP8_MAX = 448.0
+"""The largest finite float8 e4m3 magnitude."""
 QUANTIZED_MODULES = (
     "q_proj",
     "k_proj",
@@ -385,7 +389,7 @@ QUANTIZED_MODULES = (
     "up_proj",
     "down_proj",
 )
-"""The linear layers written as 4-bit. Everything else stays in float: the embeddings, the output
+"""The linear layers written quantized. Everything else stays in float: the embeddings, the output
 head, the norms, the GDN convolution (vLLM builds it without a quantization config), A_log and
 dt_bias, and the GDN gates `FLOAT_LINEAR`, whose 4 output rows (one per value head) are no
 multiple of 32, which the CPU kernel requires."""
@@ -397,10 +401,12 @@ of its eight; GPTQ's nibble ``i`` holds element ``i``."""
 
 
 def tiny_quantized_path(method: str, recipe: TinyQwen35Recipe = DEFAULT_RECIPE) -> Path:
-    """The tiny model with `QUANTIZED_MODULES` round-to-nearest quantized to 4 bits, groups of
-    `QUANT_GROUP_SIZE`, in the checkpoint layout of ``method``: "gptq" (symmetric) or "awq"
-    (with zero points); built once from the float model's own random weights."""
-    writer = {"gptq": _gptq_tensors, "awq": _awq_tensors}[method]
+    """The tiny model with `QUANTIZED_MODULES` round-to-nearest quantized, in the checkpoint
+    layout of ``method``: "gptq" (4 bits, symmetric) or "awq" (4 bits, with zero points), groups
+    of `QUANT_GROUP_SIZE`, or "fp8" (e4m3 in 128x128 blocks with a float32 scale each, the
+    layout of the published Qwen3.5 FP8 checkpoints); built once from the float model's own
+    random weights."""
+    writer = {"gptq": _gptq_tensors, "awq": _awq_tensors, "fp8": _fp8_tensors}[method]
     digest = hashlib.sha256(f"{recipe.digest()}-{method}-{QUANT_GROUP_SIZE}-1".encode())
     build = partial(_build_quantized, tiny_model_path(recipe), method, writer)
     return _built(f"tiny-{method}-{digest.hexdigest()[:12]}", "config.json", build)
@@ -423,11 +429,28 @@ def _build_quantized(
         if file.name not in ("model.safetensors", "config.json"):
             shutil.copy(file, out_dir / file.name)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(method)
+    config["quantization_config"] = _quantization_config(method, config["layer_types"])
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))  # last: marks it built
 
 
-def _quantization_config(method: str) -> dict[str, Any]:
+def _quantization_config(method: str, layer_types: list[str]) -> dict[str, Any]:
+    if method == "fp8":
+        # vLLM matches FP8's list by whole layer names; the GDN gates' 4 rows fill no 128-row
+        # block, which vLLM's block-FP8 layers require of every part of a merged layer.
+        gates = [
+            f"model.layers.{i}.linear_attn.{name}"
+            for i, kind in enumerate(layer_types)
+            if kind == "linear_attention"
+            for name in FLOAT_LINEAR
+        ]
+        block = [FP8_BLOCK, FP8_BLOCK]
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block,
+            "modules_to_not_convert": gates,
+        }
     common = {"quant_method": method, "bits": 4, "group_size": QUANT_GROUP_SIZE}
     if method == "gptq":
         return {**common, "sym": True, "desc_act": False, "lm_head": False}
@@ -472,6 +495,18 @@ def _gptq_tensors(weight: Any) -> dict[str, Any]:
         "scales": scales.squeeze(-1).T.contiguous().to(torch.float16),
         "g_idx": (torch.arange(cols) // QUANT_GROUP_SIZE).to(torch.int32),
     }
+
+
+def _fp8_tensors(weight: Any) -> dict[str, Any]:
+    """w = q * weight_scale_inv per 128x128 block, q in float8 e4m3 scaled so that the block's
+    largest magnitude is e4m3's largest (448); ``weight_scale_inv`` [out / 128, in / 128]."""
+    import torch
+
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q.reshape(rows, cols), "weight_scale_inv": scale}
 
 
 def _awq_tensors(weight: Any) -> dict[str, Any]:

@@ -10,6 +10,9 @@ and adds new user tokens (byte ids of the tiny model's byte-level tokenizer).
 
     python benchmarks/vision_chat.py --cpu --out /tmp/vision
     python benchmarks/vision_chat.py --model .gpu/model27b-vl --out $OUT
+
+On the H200 one engine's first start fills most of a call: `--configs native` in one call and
+`--resume vision_chat.json` (the first call's file) in the next run the other.
 """
 
 from __future__ import annotations
@@ -122,9 +125,9 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list
     lines = [
         "# Multi-turn chat with an image in the first turn: hybrid-prefix against native",
         "",
-        f"Command: `python benchmarks/vision_chat.py {' '.join(args.argv)}` "
-        f"(checkout {revision()})",
-        f"Model: `{args.model}`; {args.sessions} sessions of {args.turns} turns, one at a time; "
+        *sorted({f"- Command: `{side['command']}`" for side in (native, hybrid)}),
+        f"- Report written at checkout {revision()}.",
+        f"- Model: `{args.model}`; {args.sessions} sessions of {args.turns} turns, one at a time; "
         f"first turn: {args.system} tokens, an image of {args.tiles}x{args.tiles} tiles, "
         f"{args.words} tokens; each later turn echoes the answer ({args.answer} tokens) and adds "
         f"{args.words}. Mode: native {native['mode']}, hybrid-prefix {hybrid['mode']}; start-up "
@@ -160,17 +163,34 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--tiles", type=int, default=8, help="image side, in 32-pixel tiles")
     parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument(
+        "--configs",
+        type=lambda text: text.split(","),
+        default=list(CONFIGS),
+        help="comma-separated, of " + ", ".join(CONFIGS),
+    )
+    parser.add_argument(
+        "--resume", type=Path, help="a vision_chat.json of the same arguments: keep its engines"
+    )
     add_eager_option(parser)
     args = parser.parse_args()
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
     args.argv = sys.argv[1:]
     if args.model is None:
         if not args.cpu:
             parser.error("--model is required without --cpu")
         args.model = str(tiny_model_path(VISION_RECIPE))
-    results = {name: asyncio.run(measure(args, name)) for name in CONFIGS}
+    results = json.loads(args.resume.read_text()) if args.resume else {}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "vision_chat.json").write_text(json.dumps(results, indent=1))
-    publish(report(args, results), args.out / "vision_chat.md")
+    for name in args.configs:
+        if name not in results:  # each engine's result is kept as soon as it is measured
+            command = " ".join(["python benchmarks/vision_chat.py", *args.argv])
+            results[name] = {**asyncio.run(measure(args, name)), "command": command}
+            (args.out / "vision_chat.json").write_text(json.dumps(results, indent=1))
+    if set(CONFIGS) <= set(results):
+        publish(report(args, results), args.out / "vision_chat.md")
 
 
 if __name__ == "__main__":

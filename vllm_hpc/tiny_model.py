@@ -407,7 +407,8 @@ def tiny_quantized_path(method: str, recipe: TinyQwen35Recipe = DEFAULT_RECIPE) 
     layout of the published Qwen3.5 FP8 checkpoints); built once from the float model's own
     random weights."""
     writer = {"gptq": _gptq_tensors, "awq": _awq_tensors, "fp8": _fp8_tensors}[method]
-    digest = hashlib.sha256(f"{recipe.digest()}-{method}-{QUANT_GROUP_SIZE}-1".encode())
+    layout = f"{method}-{QUANT_GROUP_SIZE}-{FP8_BLOCK}-1"
+    digest = hashlib.sha256(f"{recipe.digest()}-{layout}".encode())
     build = partial(_build_quantized, tiny_model_path(recipe), method, writer)
     return _built(f"tiny-{method}-{digest.hexdigest()[:12]}", "config.json", build)
 
@@ -443,12 +444,11 @@ def _quantization_config(method: str, layer_types: list[str]) -> dict[str, Any]:
             if kind == "linear_attention"
             for name in FLOAT_LINEAR
         ]
-        block = [FP8_BLOCK, FP8_BLOCK]
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": block,
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
             "modules_to_not_convert": gates,
         }
     common = {"quant_method": method, "bits": 4, "group_size": QUANT_GROUP_SIZE}

@@ -32,6 +32,8 @@ from bench_common import add_eager_option, gpu_engine_kwargs, publish, revision,
 from vllm_hpc.tiny_model import VISION_RECIPE, llm_kwargs, tiny_model_path
 
 CONFIGS = {"native": {}, "hybrid-prefix": {"kv_cache_manager": "hybrid-prefix"}}
+MEASURED = ("model", "cpu", "eager", "sessions", "turns", "system", "words", "answer", "tiles")
+"""The arguments both sides of a report must share (--resume checks them)."""
 TILE = 32
 """Pixels of one placeholder token's tile (16-pixel patches merged 2x2)."""
 
@@ -182,12 +184,17 @@ def main() -> None:
         if not args.cpu:
             parser.error("--model is required without --cpu")
         args.model = str(tiny_model_path(VISION_RECIPE))
+    settings = {key: getattr(args, key) for key in MEASURED}
     results = json.loads(args.resume.read_text()) if args.resume else {}
+    for name, side in results.items():
+        if side.get("settings") != settings:
+            parser.error(f"--resume {args.resume}: its {name} engine measured other arguments")
+    command = " ".join(["python benchmarks/vision_chat.py", *args.argv])
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
         if name not in results:  # each engine's result is kept as soon as it is measured
-            command = " ".join(["python benchmarks/vision_chat.py", *args.argv])
-            results[name] = {**asyncio.run(measure(args, name)), "command": command}
+            side = asyncio.run(measure(args, name))
+            results[name] = {**side, "command": command, "settings": settings}
             (args.out / "vision_chat.json").write_text(json.dumps(results, indent=1))
     if set(CONFIGS) <= set(results):
         publish(report(args, results), args.out / "vision_chat.md")

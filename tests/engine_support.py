@@ -37,6 +37,7 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
     """
     from vllm import LLM, envs
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     backend = os.environ.get(GDN_BACKEND_ENV)
     if backend:
@@ -55,8 +56,12 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
     try:
         llm = LLM(**llm_kwargs(**overrides))
     except Exception:
-        if in_process:  # a start-up that failed half-way leaves its agent bound too
+        if in_process:
+            # A start-up that failed half-way leaves its agent bound, and its model-parallel
+            # groups set up for its model: a later in-process MoE engine would then find no
+            # expert-parallel group (seen in CI after an FP8-KV start-up was refused).
             ensure_kv_transfer_shutdown()
+            cleanup_dist_env_and_memory()
         raise
     finally:
         if previous is None:

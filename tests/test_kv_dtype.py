@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from engine_support import (
     RESUME_PATHS,
     ROW_PAGES,
@@ -19,7 +20,23 @@ from engine_support import (
     small_pool_llm,
 )
 
-pytestmark = pytest.mark.engine
+
+def _fp8_kv_here() -> bool:
+    """vLLM's CPU attention stores FP8 KV only with AVX-512 or AMX (`cpu_attn._get_attn_isa`
+    refuses it otherwise at start-up); CUDA always can."""
+    return (
+        torch.cuda.is_available()
+        or torch.cpu._is_avx512_supported()
+        or torch.cpu._is_amx_tile_supported()
+    )
+
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not _fp8_kv_here(), reason="FP8 KV on CPU needs AVX-512 or AMX (vLLM's CPU attention)"
+    ),
+]
 
 FP8 = {"kv_cache_dtype": "fp8", "max_model_len": 2048}
 

@@ -83,10 +83,15 @@ def running_server(
         process.wait(timeout=60)
 
 
-def post_raw(base: str, data: bytes, endpoint: str = "completions") -> tuple[int, str]:
-    """POST ``data`` as it is; the status and the body's text."""
+def post_raw(
+    base: str, data: bytes, endpoint: str = "completions", headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """POST ``data`` as it is (with ``headers``, e.g. vLLM's ``X-data-parallel-rank``); the
+    status and the body's text."""
     request = urllib.request.Request(
-        f"{base}/v1/{endpoint}", data=data, headers={"Content-Type": "application/json"}
+        f"{base}/v1/{endpoint}",
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -95,9 +100,14 @@ def post_raw(base: str, data: bytes, endpoint: str = "completions") -> tuple[int
         return error.code, error.read().decode(errors="replace")
 
 
-def post(base: str, body: dict[str, Any], endpoint: str = "completions") -> tuple[int, Any]:
+def post(
+    base: str,
+    body: dict[str, Any],
+    endpoint: str = "completions",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     """POST ``body`` as JSON; the status and the decoded answer."""
-    status, text = post_raw(base, json.dumps(body).encode(), endpoint)
+    status, text = post_raw(base, json.dumps(body).encode(), endpoint, headers)
     return status, json.loads(text or "{}")
 
 

@@ -79,8 +79,8 @@ info.mkdir(exist_ok=True)
 )
 PY
 
-step "vllm_hpc (editable) with its development tools"
-pip_registry install -q -e ".[dev]" $TORCH_PIN
+step "vllm_hpc (editable) with its development tools and Ray"
+pip_registry install -q -e ".[dev,ray]" $TORCH_PIN
 
 step "building the embedded tiny model"
 "$VENV/bin/python" -c 'from vllm_hpc.tiny_model import tiny_model_path; print(tiny_model_path())'

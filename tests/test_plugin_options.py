@@ -112,7 +112,7 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
 @pytest.mark.parametrize(
     ("engine_kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
         (
             {"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}},
@@ -378,3 +378,11 @@ def test_prefix_cache_file_requires_hybrid_prefix(tmp_path: Path) -> None:
     config = {"kv_cache_manager": "native", "prefix_cache_file": str(tmp_path / "c.bin")}
     with pytest.raises(OptionError, match="--prefix-cache-file requires --kv-cache-manager"):
         PluginOptions.from_additional_config(config)
+
+
+def test_each_data_parallel_engine_core_has_its_own_cache_file() -> None:
+    from vllm_hpc.derived import cache_file_path
+
+    assert cache_file_path("/c/cache.bin", 0, 1) == "/c/cache.bin"
+    assert cache_file_path("/c/cache.bin", 1, 2) == "/c/cache.dp1.bin"
+    assert cache_file_path("/c.d/cache", 0, 2) == "/c.d/cache.dp0"

@@ -160,6 +160,19 @@ def save_grace_seconds(host_cache_mib: int) -> float:
     return SAVE_GRACE_SECONDS + host_cache_mib / SAVE_RATE_MIB_S
 
 
+def cache_file_path(path: str, data_parallel_rank: int, data_parallel_size: int) -> str:
+    """The `--prefix-cache-file` one engine core saves and loads. With data parallelism every
+    engine core has its own cache, so each gets its own file beside the named one:
+    ``cache.bin`` becomes ``cache.dp0.bin``, ``cache.dp1.bin``, ...; one engine core uses
+    ``path`` itself."""
+    if data_parallel_size <= 1:
+        return path
+    stem, dot, suffix = path.rpartition(".")
+    if not dot or "/" in suffix:
+        return f"{path}.dp{data_parallel_rank}"
+    return f"{stem}.dp{data_parallel_rank}.{suffix}"
+
+
 def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
     """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
     option (0, no host tier, passes). Checked once the model's block and state sizes are known."""

@@ -17,9 +17,13 @@ from vllm_hpc.index import SavedCache, SlabId
 from vllm_hpc.persistence import (
     FORMAT_VERSION,
     CacheFile,
+    abandon,
+    begin_cache_file,
+    commit,
     open_cache_file,
     remove_temporaries,
     write_cache_file,
+    write_section,
 )
 
 FINGERPRINT = {
@@ -86,7 +90,7 @@ def test_round_trip(tmp_path: Path) -> None:
     saved = build_save()
     progress: list[tuple[int, int]] = []
     size = write(path, saved, progress=lambda done, total: progress.append((done, total)))
-    assert size == path.stat().st_size and progress[-1] == (size, size)
+    assert size == path.stat().st_size and progress[-1] == (len(saved.slabs) * SLAB,) * 2
     cache = opened(path)
     assert cache.saved == saved
     reads: list[tuple[int, int]] = []
@@ -124,6 +128,32 @@ def test_one_section_per_rank(tmp_path: Path) -> None:
         got, reason = read_all(cache, rank)
         assert reason is None and got == {s: slab_bytes_of(s, rank) for s in saved.slabs}
     assert read_all(cache, 2)[1] == "no slab section for rank 2"
+
+
+def test_ranks_write_their_own_sections_into_one_save(tmp_path: Path) -> None:
+    """Tensor parallelism: the engine core lays the save out, each rank's worker writes its own
+    section (in any order, from its own process), and only the commit replaces the previous
+    file; an abandoned save leaves it as it was and no temporary file behind."""
+    path = tmp_path / "cache.bin"
+    write(path, build_save(seed=1))
+    previous = path.read_bytes()
+    saved = build_save()
+    pending = begin_cache_file(path, FINGERPRINT, saved, range(2))
+    for rank in (1, 0):
+        assert write_section(pending, rank, lambda slab, rank=rank: slab_bytes_of(slab, rank))
+    assert path.read_bytes() == previous
+    assert commit(pending) == path.stat().st_size
+    cache = opened(path)
+    for rank in (0, 1):
+        got, reason = read_all(cache, rank)
+        assert reason is None and got == {s: slab_bytes_of(s, rank) for s in saved.slabs}
+
+    pending = begin_cache_file(path, FINGERPRINT, build_save(seed=2), range(2))
+    assert not write_section(pending, 0, slab_bytes_of, cancel=lambda: True)
+    abandon(pending)
+    assert os.listdir(tmp_path) == ["cache.bin"] and opened(path).saved == saved
+    with pytest.raises(ValueError, match="no section for rank 2"):
+        pending.section(2)
 
 
 def test_truncated_files_are_refused(tmp_path: Path) -> None:

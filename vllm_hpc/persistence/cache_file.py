@@ -14,7 +14,9 @@ reads only the slabs it keeps. Sections are per tensor-parallel rank: each rank'
 its own bytes of every slab; a file holds one section per rank that saved.
 
 Writing goes to a temporary file in the same directory, fsynced and renamed into place, so a
-failed or cancelled save leaves the previous file as it was.
+failed or cancelled save leaves the previous file as it was. The engine core lays the save out
+(`begin_cache_file`), each rank's worker writes its own section into it (`write_section`), and
+the engine core renames it once every rank is done (`commit`).
 """
 
 from __future__ import annotations
@@ -121,27 +123,41 @@ class CacheFile:
         return None
 
 
-def write_cache_file(
+@dataclass(frozen=True, slots=True)
+class PendingFile:
+    """A save in progress: its temporary file holds the header and tables and has room for
+    every rank's section. With tensor parallelism each rank's worker writes its own section
+    (`write_section`) into the one temporary file; `commit` renames it into place once all
+    did, `abandon` removes it, so a failed or cancelled save leaves the previous file alone."""
+
+    target: Path
+    temporary: Path
+    data_offset: int
+    total: int
+    slabs: tuple[SlabId, ...]
+    slab_bytes: int
+    sections: tuple[Section, ...]
+
+    def section(self, rank: int) -> Section:
+        found = next((s for s in self.sections if s.rank == rank), None)
+        if found is None:
+            raise ValueError(f"the save has no section for rank {rank}")
+        return found
+
+
+def begin_cache_file(
     path: str | os.PathLike[str],
     fingerprint: Mapping[str, Any],
     saved: SavedCache,
-    sections: Mapping[int, SlabSource],
-    *,
-    progress: Progress | None = None,
-    cancel: Callable[[], bool] = lambda: False,
-) -> int | None:
-    """Write ``saved`` and, per rank, its slabs' bytes atomically at ``path``.
-
-    Returns the file's size, or None when ``cancel`` answered True (asked before each slab and
-    before the rename). A cancelled or failed save (the error is raised again) removes its
-    temporary file and leaves any previous file at ``path`` untouched.
-    """
+    ranks: Iterable[int],
+) -> PendingFile:
+    """Lay out a save of ``saved`` with one slab section per rank of ``ranks``, and write its
+    header and tables to a temporary file beside ``path``, sized for every section."""
     target = Path(path)
-    slabs = saved.slabs
-    slab_bytes = saved.geometry.slab_bytes
+    slabs, slab_bytes = tuple(saved.slabs), saved.geometry.slab_bytes
     tables = encode_tables(saved)
     layout, data_bytes = [], _align(len(tables))
-    for rank in sorted(sections):
+    for rank in sorted(set(ranks)):
         layout.append(Section(rank, data_bytes, slab_bytes))
         data_bytes = _align(data_bytes + len(slabs) * slab_bytes + 4 * (len(slabs) + 1))
     header = json.dumps(
@@ -158,45 +174,98 @@ def write_cache_file(
     ).encode()
     data_offset = _align(_PRELUDE.size + len(header))
     total = data_offset + data_bytes
-    meter = _Meter(total, progress)
     fd, temporary = tempfile.mkstemp(
         dir=target.parent, prefix=_temporary_prefix(target), suffix=_TMP
     )
+    pending = PendingFile(
+        target, Path(temporary), data_offset, total, slabs, slab_bytes, tuple(layout)
+    )
     try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as file:
+        with os.fdopen(fd, "wb") as file:
             _pad_write(file, _PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
             _pad_write(file, header, data_offset)
-            _pad_write(file, tables, data_offset + len(tables))
-            for section in layout:
-                _pad_write(file, b"", data_offset + section.offset)
-                source = sections[section.rank]
-                checksums = []
-                for slab in slabs:
-                    if cancel():
-                        raise _Cancelled
-                    record = source(slab)
-                    if len(record) != slab_bytes:
-                        raise ValueError(f"slab {slab} has {len(record)} bytes, not {slab_bytes}")
-                    checksums.append(zlib.crc32(record))
-                    file.write(record)
-                    meter.add(slab_bytes)
-                listed = struct.pack(f"<{len(checksums)}I", *checksums)
-                file.write(listed + struct.pack("<I", zlib.crc32(listed)))
-            _pad_write(file, b"", total)
-            file.flush()
-            os.fsync(file.fileno())
-        if cancel():
-            raise _Cancelled
-        os.replace(temporary, target)
-    except _Cancelled:
-        _abandon(temporary)
-        return None
+            _pad_write(file, tables)
+            file.truncate(total)  # every section's room (sparse until written)
     except BaseException:
-        _abandon(temporary)
+        abandon(pending)
         raise
-    _fsync_directory(target.parent)
+    return pending
+
+
+def write_section(
+    pending: PendingFile,
+    rank: int,
+    source: SlabSource,
+    *,
+    progress: Progress | None = None,
+    cancel: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Write ``rank``'s slab bytes and their checksums into its section of the temporary file
+    and make them durable; False when ``cancel`` answered True (asked before each slab). The
+    caller abandons the save on False or an error."""
+    section = pending.section(rank)
+    meter = _Meter(len(pending.slabs) * pending.slab_bytes, progress)
+    with open(pending.temporary, "r+b", buffering=1 << 20) as file:
+        file.seek(pending.data_offset + section.offset)
+        checksums = []
+        for slab in pending.slabs:
+            if cancel():
+                return False
+            record = source(slab)
+            if len(record) != pending.slab_bytes:
+                raise ValueError(f"slab {slab} has {len(record)} bytes, not {pending.slab_bytes}")
+            checksums.append(zlib.crc32(record))
+            file.write(record)
+            meter.add(pending.slab_bytes)
+        listed = struct.pack(f"<{len(checksums)}I", *checksums)
+        file.write(listed + struct.pack("<I", zlib.crc32(listed)))
+        file.flush()
+        os.fsync(file.fileno())
     meter.done()
-    return total
+    return True
+
+
+def commit(pending: PendingFile) -> int:
+    """Rename the save into place once every section is written; returns the file's size."""
+    os.replace(pending.temporary, pending.target)
+    _fsync_directory(pending.target.parent)
+    return pending.total
+
+
+def abandon(pending: PendingFile) -> None:
+    """Remove the save's temporary file; any previous file at the target stays as it was."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pending.temporary)
+
+
+def write_cache_file(
+    path: str | os.PathLike[str],
+    fingerprint: Mapping[str, Any],
+    saved: SavedCache,
+    sections: Mapping[int, SlabSource],
+    *,
+    progress: Progress | None = None,
+    cancel: Callable[[], bool] = lambda: False,
+) -> int | None:
+    """Write ``saved`` and, per rank, its slabs' bytes atomically at ``path``, in one process.
+
+    Returns the file's size, or None when ``cancel`` answered True (asked before each slab and
+    before the rename). A cancelled or failed save (the error is raised again) removes its
+    temporary file and leaves any previous file at ``path`` untouched.
+    """
+    pending = begin_cache_file(path, fingerprint, saved, sections)
+    try:
+        for rank in sorted(sections):
+            if not write_section(pending, rank, sections[rank], progress=progress, cancel=cancel):
+                abandon(pending)
+                return None
+        if cancel():
+            abandon(pending)
+            return None
+        return commit(pending)
+    except BaseException:
+        abandon(pending)
+        raise
 
 
 def remove_temporaries(path: str | os.PathLike[str]) -> list[Path]:
@@ -342,11 +411,6 @@ def _read_into(file: Any, buffer: memoryview) -> int:
             break
         done += count
     return done
-
-
-def _abandon(temporary: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(temporary)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -154,7 +154,6 @@ def merge_cli_options(args: argparse.Namespace, additional_config: Any) -> dict[
 
 def configure_engine_args(args: Any) -> None:
     """Set what `hybrid-prefix` needs on the user's `EngineArgs`, refusing what conflicts."""
-    _refuse(args.tensor_parallel_size not in (None, 1), "--tensor-parallel-size > 1")
     _refuse(args.pipeline_parallel_size not in (None, 1), "--pipeline-parallel-size > 1")
     _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")

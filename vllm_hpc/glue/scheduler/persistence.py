@@ -10,9 +10,10 @@ A save lets the pending copies run and every host write land, exports the tables
 worker write the file with its slab bytes. Both reach the workers through the engine core's
 `collective_rpc` (`glue/scheduler/engine_core.py` calls in at start-up and at shutdown).
 
-Tensor parallelism is refused by the plugin today; the file already has one slab section per
-rank. With more ranks, each worker would write its section at the offset the tables fix (one
-temporary file, renamed once every rank is done) and read its own.
+With tensor parallelism each rank's worker holds its own bytes of every slab: the engine core
+lays out one temporary file with a section per rank, each worker writes its section into it,
+and the engine core renames it once every rank is done (so the ranks share one filesystem, as
+the workers of one host do); each worker reads its own section at the next start.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from vllm_hpc.glue.worker.persistence import (
     load_slabs,
     save_slabs,
 )
-from vllm_hpc.persistence import open_cache_file, remove_temporaries
+from vllm_hpc.persistence import (
+    abandon,
+    begin_cache_file,
+    commit,
+    open_cache_file,
+    remove_temporaries,
+)
 from vllm_hpc.runtime.cache import HybridPrefixCache
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -50,10 +57,14 @@ one issues what the last step planned, the next collects the landings."""
 class PrefixCacheFile:
     """One engine's ``--prefix-cache-file``: loaded once at start-up, saved once at the stop."""
 
-    def __init__(self, path: str, fingerprint: dict[str, Any], cache: HybridPrefixCache) -> None:
+    def __init__(
+        self, path: str, fingerprint: dict[str, Any], cache: HybridPrefixCache, ranks: int
+    ) -> None:
         self.path = path
         self.fingerprint = fingerprint
         self.cache = cache
+        self.ranks = ranks
+        """Tensor-parallel ranks: one slab section each."""
 
     def restore(self, rpc: Rpc) -> None:
         """Load the file into the empty cache, or log why not and start empty. The workers'
@@ -146,13 +157,25 @@ class PrefixCacheFile:
             len(saved.slabs) * saved.geometry.slab_bytes / 2**20,
             self.path,
         )
-        results = rpc(save_slabs, self.path, self.fingerprint, saved, flush)
-        refused = _refusal(results)
-        if refused is not None:
-            logger.warning("prefix cache not saved: %s; the previous file stays", refused)
+        try:
+            pending = begin_cache_file(self.path, self.fingerprint, saved, range(self.ranks))
+        except OSError as error:
+            logger.warning("prefix cache not saved: cannot write %s: %s", self.path, error)
             return
+        try:
+            results = rpc(save_slabs, pending, flush)
+            refused = _refusal(results)
+            if refused is None and abandoned.is_set():
+                refused = "abandoned on a second stop signal"
+            if refused is not None:
+                abandon(pending)
+                logger.warning("prefix cache not saved: %s; the previous file stays", refused)
+                return
+            size = commit(pending)
+        except BaseException:
+            abandon(pending)
+            raise
         seconds = time.perf_counter() - started
-        size = sum(r.nbytes for r in results)
         logger.info(
             "prefix cache saved to %s: %d snapshots, %d blocks, %.1f MiB in %.2f s (%.0f MiB/s)",
             self.path,

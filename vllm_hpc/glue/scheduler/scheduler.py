@@ -31,6 +31,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_hpc.derived import cache_file_path
 from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
 from vllm_hpc.glue.scheduler.fingerprint import engine_fingerprint
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
@@ -75,9 +76,14 @@ class _HybridPrefixMixin:
         )
         self.prefix_cache_file = (
             PrefixCacheFile(
-                options.prefix_cache_file,
+                cache_file_path(
+                    options.prefix_cache_file,
+                    vllm_config.parallel_config.data_parallel_rank,
+                    vllm_config.parallel_config.data_parallel_size,
+                ),
                 engine_fingerprint(vllm_config),
                 self.kv_cache_manager.cache,
+                vllm_config.parallel_config.tensor_parallel_size,
             )
             if options.prefix_cache_file is not None
             else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from vllm_hpc.derived import cache_file_path
 from vllm_hpc.faults import SLOW_COPY_STEPS, armed
 from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
@@ -78,6 +80,9 @@ class ConnectorWorker:
         self._steps = 0
         self._restores: list[RestoreHandle] = []
         self._prefetches: list[RestoreHandle] = []
+        self.issued: Counter[str] = Counter()
+        """Copies this worker ran, by kind: each rank runs every step's plan on its own shard
+        of the pages and states (tensor parallelism), so all ranks' counts agree."""
         self.failed: CacheCopyError | None = None
         """The copy error this worker stopped on: its host tier is not saved (§5.5)."""
         self._preload: Preload | None = None
@@ -128,7 +133,13 @@ class ConnectorWorker:
         )
         pool.restores = self._restores
         if options.prefix_cache_file is not None:
-            self._preload = Preload(options.prefix_cache_file, self._arena, tensor_parallel_rank())
+            parallel = self._vllm_config.parallel_config
+            path = cache_file_path(
+                options.prefix_cache_file,
+                parallel.data_parallel_rank,
+                parallel.data_parallel_size,
+            )
+            self._preload = Preload(path, self._arena, tensor_parallel_rank())
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)
@@ -141,7 +152,9 @@ class ConnectorWorker:
         pool = self._state_pool()
         if connector_metadata.state_zeros:
             pool.zero(connector_metadata.state_zeros)
+            self.issued["state_zero"] += len(connector_metadata.state_zeros)
         if connector_metadata.state_copies:
+            self.issued["state_copy"] += len(connector_metadata.state_copies)
             try:
                 pool.copy(connector_metadata.state_copies)
             except Exception as error:
@@ -160,6 +173,8 @@ class ConnectorWorker:
                 self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
             raise self._fail(_HOST_COPY, error) from error
+        self.issued["host_restore"] += len(connector_metadata.host_restores)
+        self.issued["prefetch"] += len(connector_metadata.prefetches)
         for handle in [*self._restores, *self._prefetches]:
             self.meter.track("restore", handle)
         if self._restores and _full_graph_follows():
@@ -179,6 +194,7 @@ class ConnectorWorker:
             for write in due.writes:
                 written = self._arena.write(write.blocks, write.images, after=due.ready)
                 self._writing.append(_WriteInFlight(write.batch, written, self._steps))
+                self.issued["host_write"] += 1
                 self.meter.track("write", written)
         except Exception as error:
             raise self._fail(_HOST_COPY, error) from error
@@ -232,3 +248,18 @@ def _full_graph_follows() -> bool:
     if not is_forward_context_available():
         return True
     return get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+
+
+def worker_connector() -> ConnectorWorker:
+    """This worker process's half of the connector (for functions the engine core runs on
+    every worker through `collective_rpc`)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group().worker
+    assert isinstance(connector, ConnectorWorker), "not vllm_hpc's KV connector"
+    return connector
+
+
+def issued_copies(worker: Any) -> dict[str, int]:
+    """This worker's `ConnectorWorker.issued` (run through the engine's `collective_rpc`)."""
+    return dict(worker_connector().issued)

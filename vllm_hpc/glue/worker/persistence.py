@@ -18,11 +18,11 @@ from typing import Any
 
 from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
 from vllm_hpc.glue.stop_signals import stop_signals_caught
-from vllm_hpc.glue.worker.connector import ConnectorWorker
+from vllm_hpc.glue.worker.connector import ConnectorWorker, worker_connector
 from vllm_hpc.glue.worker.host_arena import HostArena
 from vllm_hpc.glue.worker.preload import progress_log, slab_target, tensor_parallel_rank
-from vllm_hpc.index import SavedCache, SlabId
-from vllm_hpc.persistence import CacheFile, write_cache_file
+from vllm_hpc.index import SlabId
+from vllm_hpc.persistence import CacheFile, PendingFile, write_section
 from vllm_hpc.runtime.plan import HostWrite
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -33,7 +33,7 @@ class SlabTransfer:
     """What one worker moved between its host tier and the file, or why it did not."""
 
     nbytes: int = 0
-    """File bytes written (a save) or slab bytes read (a load)."""
+    """Slab bytes this rank wrote (a save) or read (a load)."""
     seconds: float = 0.0
     refused: str | None = None
     """Why nothing (or not everything) moved; None when it all did."""
@@ -45,29 +45,24 @@ class SlabTransfer:
 def copy_failure(worker: Any) -> str | None:
     """The copy error this worker stopped on, if any: then its host tier is not saved (what a
     failed copy left in the slabs and the index is not known to agree)."""
-    failed = _connector().failed
+    failed = worker_connector().failed
     return None if failed is None else str(failed)
 
 
 def land_host_writes(worker: Any) -> None:
     """Block until this worker's write-through batches have landed (an orderly stop)."""
-    _connector().land_writes()
+    worker_connector().land_writes()
 
 
-def save_slabs(
-    worker: Any,
-    path: str,
-    fingerprint: Mapping[str, Any],
-    saved: SavedCache,
-    flush: HostWrite | None = None,
-) -> SlabTransfer:
-    """Write the file with ``saved``'s tables and this rank's bytes of its slabs, after
-    ``flush`` has copied the device-only snapshots it saves into their host slabs.
+def save_slabs(worker: Any, pending: PendingFile, flush: HostWrite | None = None) -> SlabTransfer:
+    """Write this rank's bytes of the save's slabs into its section of ``pending`` (the engine
+    core laid the file out and renames it once every rank is done), after ``flush`` has
+    copied the device-only snapshots it saves into their host slabs.
 
     A SIGTERM or SIGINT during the save (the engine core forwards its own) abandons it: the
-    temporary file goes, the previous file stays.
+    engine core then removes the temporary file, and the previous file stays.
     """
-    connector = _connector()
+    connector = worker_connector()
     arena = _arena(connector)
     connector.land_writes()
     started = time.perf_counter()
@@ -78,20 +73,19 @@ def save_slabs(
             return SlabTransfer(refused=f"cannot copy device-only snapshots to the host: {error}")
     try:
         with stop_signals_caught(_abandoning) as abandoned:
-            size = write_cache_file(
-                path,
-                fingerprint,
-                saved,
-                {tensor_parallel_rank(): partial(_slab_bytes, arena, armed("save_slow"))},
+            written = write_section(
+                pending,
+                tensor_parallel_rank(),
+                partial(_slab_bytes, arena, armed("save_slow")),
                 progress=progress_log("saving", started),
                 cancel=abandoned.is_set,
             )
-    except OSError as error:  # a full disk, a file-size limit: the temporary file is gone
-        return SlabTransfer(refused=f"cannot write {path}: {error}")
+    except OSError as error:  # a full disk, a file-size limit
+        return SlabTransfer(refused=f"cannot write {pending.target}: {error}")
     seconds = time.perf_counter() - started
-    if size is None:
+    if not written:
         return SlabTransfer(seconds=seconds, refused="abandoned on a second stop signal")
-    return SlabTransfer(size, seconds)
+    return SlabTransfer(len(pending.slabs) * pending.slab_bytes, seconds)
 
 
 def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId]) -> SlabTransfer:
@@ -99,7 +93,7 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
     checking each against its checksum, unless the start-up read already did exactly that; on
     a refusal some slabs may have been written (the caller empties the index, so they count
     as free)."""
-    connector = _connector()
+    connector = worker_connector()
     arena = _arena(connector)
     started = time.perf_counter()
     nbytes = len(slabs) * cache_file.saved.geometry.slab_bytes
@@ -118,7 +112,7 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
 def end_preload(worker: Any) -> None:
     """Stop the start-up read if no load took it (the engine core refused the file): the
     slabs it filled are free, and nothing may write into them after this."""
-    preload = _connector().take_preload()
+    preload = worker_connector().take_preload()
     if preload is not None:
         preload.cancel()
 
@@ -127,14 +121,6 @@ def _slab_bytes(arena: HostArena, slow: bool, slab: SlabId) -> bytes:
     if slow:  # fault point `save_slow`
         time.sleep(SLOW_SAVE_SECONDS)
     return arena.slab(slab).numpy().tobytes()
-
-
-def _connector() -> ConnectorWorker:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    connector = get_kv_transfer_group().worker
-    assert isinstance(connector, ConnectorWorker), "not vllm_hpc's KV connector"
-    return connector
 
 
 def _arena(connector: ConnectorWorker) -> HostArena:

@@ -180,6 +180,7 @@ def install_cache_control() -> None:
                 cut, merge_inline_system=self._merge_inline_system
             )
             chat.add_generation_prompt = False
+            chat.reasoning_effort = request.reasoning_effort  # as probed for thinking disabled
             rendered = await self.online_renderer.render_chat(chat)
             if isinstance(rendered, tuple):
                 _, (cut_input,) = rendered

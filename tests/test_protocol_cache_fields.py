@@ -124,6 +124,11 @@ def test_malformed_and_excess_cache_control_are_client_errors(server: str) -> No
     bad_system = [{**system[0], "cache_control": {"type": "persistent"}}]
     status, answer = post(server, _messages_body(server, bad_system, [_text("w1")]), "messages")
     assert status == 400 and "system.0.cache_control.type" in answer["error"]["message"], answer
+    # A client's own malformed breakpoints beside a mark are still refused, naming them.
+    body = {**_messages_body(server, system, [_text("w1 w2", marked=True)])}
+    body["vllm_xargs"] = {"cache_breakpoints": ["soon"]}
+    status, answer = post(server, body, endpoint="messages")
+    assert status == 400 and "cache_breakpoints" in answer["error"]["message"], answer
     five = [_text(f"w{i}", marked=True) for i in range(5)]
     status, answer = post(server, _messages_body(server, system, five), endpoint="messages")
     assert status == 400 and "cache_control" in answer["error"]["message"], answer

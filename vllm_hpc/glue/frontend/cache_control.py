@@ -110,12 +110,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def merged_breakpoints(vllm_xargs: Any, positions: Sequence[int]) -> dict[str, Any]:
-    """``vllm_xargs`` with ``positions`` added to its breakpoints; a client's malformed value
-    is kept as it is, for vLLM's request check to refuse naming it."""
+    """``vllm_xargs`` with ``positions`` past the first token added to its breakpoints; a
+    client's malformed value is kept as it is, for the request check to refuse naming it."""
     xargs = dict(vllm_xargs or {})
     given = xargs.get(BREAKPOINTS_KEY, [])
-    if isinstance(given, list):
-        xargs[BREAKPOINTS_KEY] = sorted({*given, *positions})
+    if isinstance(given, list) and all(type(p) is int for p in given):
+        xargs[BREAKPOINTS_KEY] = sorted({*given, *(p for p in positions if p > 1)})
     return xargs
 
 

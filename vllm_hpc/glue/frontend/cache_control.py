@@ -29,7 +29,7 @@ MAX_MARKS = 4
 """Anthropic's limit on blocks with `cache_control` in one request."""
 TTLS = ("5m", "1h")
 EMPTY_USER = {"role": "user", "content": ""}
-"""Closes a cut that holds no user message, which Qwen's templates refuse to render; its
+"""Closes a cut that holds no user message, which Qwen3's templates refuse to render; its
 header may join the common prefix, which stays a prefix of the real prompt."""
 
 

@@ -24,6 +24,8 @@ from openai_server import (
     running_server,
     sample,
 )
+from prometheus_client.parser import text_string_to_metric_families
+from test_dashboard import dashboard_series
 
 from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
@@ -63,6 +65,19 @@ def test_plugin_metrics_are_exported(server: str) -> None:
     assert sample(text, "vllm:hpc_host_bytes_total{", 'what="written"') > 0
     assert sample(text, "vllm:hpc_host_transfer_seconds_total{", 'what="written"') > 0
     assert sample(text, "vllm:hpc_host_write_bytes_per_second{") > 0
+
+
+def test_every_series_the_dashboard_reads_is_exported_with_its_labels(server: str) -> None:
+    """The Grafana dashboard's queries (`examples/observability/`), against this server's
+    `/metrics` after cache hits and host-tier writes: each metric they read has a sample with
+    every label they select or group it by."""
+    samples: dict[str, list[set[str]]] = {}
+    for family in text_string_to_metric_families(metrics(server)):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(set(s.labels))
+    for name, labels in dashboard_series().items():
+        assert name in samples, name
+        assert any(labels <= present for present in samples[name]), (name, labels)
 
 
 def test_malformed_cache_hint_is_a_client_error(server: str) -> None:

@@ -30,6 +30,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from vllm_hpc.glue.architecture import register_models
+    from vllm_hpc.glue.frontend.cache_control import install_cache_control
     from vllm_hpc.glue.frontend.engine_args import CONNECTOR, install_engine_args_hooks
     from vllm_hpc.glue.frontend.save_grace import install_save_grace
     from vllm_hpc.glue.frontend.token_ids import install_token_id_check
@@ -41,6 +42,7 @@ def register() -> None:
     install_save_grace()
     install_sampling_params_hook()
     install_token_id_check()
+    install_cache_control()
     register_models()
     if CONNECTOR not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.connector", CONNECTOR)

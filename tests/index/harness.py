@@ -103,7 +103,7 @@ class JournalReplay:
     def apply(self, events: Sequence[JournalEvent]) -> None:
         for event in events:
             match event:
-                case BlockStored(node, medium):
+                case BlockStored(node, medium, _):
                     assert (node, medium) not in self.blocks, "stored twice"
                     assert node.parent is not None
                     assert node.parent.is_root or any(

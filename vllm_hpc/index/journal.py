@@ -32,6 +32,8 @@ class BlockStored:
 
     node: BlockNode
     medium: Medium
+    tenant: str | None = None
+    """The tree root's key (`cache_salt` and more) for a first block; None below it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +118,16 @@ class Journal:
         self._blocks: dict[BlockNode, frozenset[Medium]] = {}
         self._snapshots: dict[Snapshot, frozenset[Medium]] = {}
 
-    def block(self, node: BlockNode) -> None:
-        """``node``'s residency may have changed: record what did."""
+    def block(self, node: BlockNode, tenant: str | None) -> None:
+        """``node``'s residency may have changed: record what did (``tenant``: its root's key,
+        for a first block)."""
         now = node_media(node)
         before = self._blocks.get(node, _NONE)
         if now == before:
             return
         gone, came = _changes(before, now)
         self._events.extend(BlockRemoved(node, medium) for medium in gone)
-        self._events.extend(BlockStored(node, medium) for medium in came)
+        self._events.extend(BlockStored(node, medium, tenant) for medium in came)
         if now:
             self._blocks[node] = now
         else:

@@ -83,7 +83,7 @@ class CacheStore:
     def sync_node(self, node: BlockNode) -> None:
         """LRU iff device-resident and unheld (backed iff host-resident); dead set per §9.3."""
         if self.journal is not None and not node.is_root:
-            self.journal.block(node)
+            self._journal_block(node)
         if node.is_root:
             self.tree.discard_root_if_idle(node)
             return
@@ -93,6 +93,11 @@ class CacheStore:
         else:
             self.lru.remove(node)
         self.host.sync_dead(node)
+
+    def _journal_block(self, node: BlockNode) -> None:
+        assert self.journal is not None and node.parent is not None
+        first = node.parent.is_root
+        self.journal.block(node, self.tree.salt_of(node.parent) if first else None)
 
     def sync_tail(self, snapshot: Snapshot) -> None:
         if self.journal is not None:
@@ -249,7 +254,7 @@ class CacheStore:
             node.host_slab, node.host = None, Residency.ABSENT
             self.prefetched.discard(node)
             if self.journal is not None:
-                self.journal.block(node)
+                self._journal_block(node)
             self.tree.remove_leaf(node)
             self.stats.nodes_deleted += 1
 

@@ -1,0 +1,99 @@
+"""The reference scorer `examples/prefix_router.py` on two tiny-model OpenAI servers (issue
+#19): sessions routed by their deepest resumable point keep one server's hit rate; round-robin,
+which sends a session's turns to both servers in turn, loses it. Hit rates are the responses'
+cached tokens over their prompt tokens, each scheme on its own sessions."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from openai_server import greedy_body, model_id, post, running_server
+
+from examples.prefix_router import PrefixRouter
+from vllm_hpc.tiny_model import DEFAULT_RECIPE
+
+pytestmark = pytest.mark.engine
+
+SESSIONS = 5
+"""Odd, so that round-robin over two servers moves every session at each turn."""
+TURNS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[str, str]]]:
+    """Two servers, each with its event stream: name -> (base URL, ZMQ endpoint)."""
+    logs = tmp_path_factory.mktemp("router")
+    found: dict[str, tuple[str, str]] = {}
+    with ExitStack() as stack:
+        for name in ("A", "B"):
+            port = _free_port()
+            events = {"enable_kv_cache_events": True, "publisher": "zmq"}
+            events["endpoint"] = f"tcp://*:{port}"
+            base, _ = stack.enter_context(
+                running_server(
+                    tiny_model_dir,
+                    logs / f"{name}.log",
+                    "--gpu-memory-utilization",
+                    "0.1",
+                    "--host-cache-mib",
+                    "64",
+                    "--kv-events-config",
+                    json.dumps(events),
+                    max_model_len=2048,
+                )
+            )
+            found[name] = (base, f"tcp://127.0.0.1:{port}")
+        yield found
+
+
+def _hit_rate(
+    servers: dict[str, tuple[str, str]], seed: int, pick: Callable[[list[int]], str]
+) -> float:
+    """Sessions of ``TURNS`` turns, the turns of all sessions interleaved; each turn sends the
+    whole history plus a new message to the server ``pick`` names."""
+    rng = random.Random(seed)
+    vocab = DEFAULT_RECIPE.vocab_size
+    histories = [[rng.randrange(vocab) for _ in range(300)] for _ in range(SESSIONS)]
+    model = model_id(next(iter(servers.values()))[0])
+    cached = total = 0
+    for _ in range(TURNS):
+        for history in histories:
+            prompt = history + [rng.randrange(vocab) for _ in range(60)]
+            status, body = post(servers[pick(prompt)][0], greedy_body(model, prompt, 8))
+            assert status == 200, body
+            cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            total += body["usage"]["prompt_tokens"]
+            history[:] = prompt + body["choices"][0]["token_ids"]
+    return cached / total
+
+
+def test_routing_by_resumable_point_keeps_one_servers_hit_rate(
+    servers: dict[str, tuple[str, str]],
+) -> None:
+    one = _hit_rate(servers, 1, lambda _: "A")
+    turns = iter(range(10**6))
+    round_robin = _hit_rate(servers, 2, lambda _: "AB"[next(turns) % 2])
+    router = PrefixRouter({name: endpoint for name, (_, endpoint) in servers.items()})
+    try:
+        routed = _hit_rate(servers, 3, lambda prompt: router.route(prompt)[0])
+        seen = {name: len(r.blocks) for name, r in router.replicas.items()}
+    finally:
+        router.close()
+    print(f"hit rate: one server {one:.3f}, round-robin {round_robin:.3f}, scorer {routed:.3f}")
+    assert all(seen.values()), f"a replica's stream gave nothing: {seen}"
+    assert routed >= 0.95 * one
+    assert round_robin < 0.8 * one

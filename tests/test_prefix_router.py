@@ -9,6 +9,7 @@ import json
 import random
 import socket
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from vllm_hpc.tiny_model import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.engine
 
-SESSIONS = 5
+SESSIONS = 3
 """Odd, so that round-robin over two servers moves every session at each turn."""
-TURNS = 4
+TURNS = 3
 
 
 def _free_port() -> int:
@@ -35,29 +36,40 @@ def _free_port() -> int:
 def servers(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, tuple[str, str]]]:
-    """Two servers, each with its event stream: name -> (base URL, ZMQ endpoint)."""
+    """Two servers started side by side, each with its event stream: name -> (base URL, ZMQ
+    endpoint)."""
     logs = tmp_path_factory.mktemp("router")
-    found: dict[str, tuple[str, str]] = {}
-    with ExitStack() as stack:
-        for name in ("A", "B"):
-            port = _free_port()
-            events = {"enable_kv_cache_events": True, "publisher": "zmq"}
-            events["endpoint"] = f"tcp://*:{port}"
-            base, _ = stack.enter_context(
-                running_server(
-                    tiny_model_dir,
-                    logs / f"{name}.log",
-                    "--gpu-memory-utilization",
-                    "0.1",
-                    "--host-cache-mib",
-                    "64",
-                    "--kv-events-config",
-                    json.dumps(events),
-                    max_model_len=2048,
-                )
-            )
-            found[name] = (base, f"tcp://127.0.0.1:{port}")
-        yield found
+    ports = {name: _free_port() for name in ("A", "B")}
+    starting = {
+        name: running_server(
+            tiny_model_dir,
+            logs / f"{name}.log",
+            "--gpu-memory-utilization",
+            "0.1",
+            "--host-cache-mib",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "1024",
+            "--kv-events-config",
+            json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+            ),
+            max_model_len=2048,
+        )
+        for name, port in ports.items()
+    }
+    with ExitStack() as stack, ThreadPoolExecutor(len(starting)) as pool:
+        started = {name: pool.submit(server.__enter__) for name, server in starting.items()}
+        bases = {}
+        for name, future in started.items():
+            if future.exception() is None:  # waits; a server that started is stopped at the end
+                stack.push(starting[name].__exit__)
+                bases[name] = future.result()[0]
+        for future in started.values():
+            future.result()  # the first start-up error, if any
+        yield {name: (bases[name], f"tcp://127.0.0.1:{port}") for name, port in ports.items()}
 
 
 def _hit_rate(

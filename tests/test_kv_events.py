@@ -5,7 +5,6 @@ reads. One small in-process engine with a host tier, its events over ZMQ."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from engine_support import RESUME_PATHS, greedy, random_prompt, small_pool_llm, tokens
+from openai_server import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -43,17 +43,11 @@ class Stream:
         self._socket.close(linger=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[tuple[Any, Stream]]:
     from vllm.config import KVEventsConfig
 
-    port = _free_port()
+    port = free_port()
     events = KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic=TOPIC
     )

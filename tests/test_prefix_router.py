@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from openai_server import greedy_body, model_id, post, running_server
+from openai_server import free_port, greedy_body, model_id, post, running_server
 
 from examples.prefix_router import PrefixRouter
 from vllm_hpc.tiny_model import DEFAULT_RECIPE
@@ -26,12 +25,6 @@ SESSIONS = 3
 TURNS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def servers(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -39,7 +32,7 @@ def servers(
     """Two servers started side by side, each with its event stream: name -> (base URL, ZMQ
     endpoint)."""
     logs = tmp_path_factory.mktemp("router")
-    ports = {name: _free_port() for name in ("A", "B")}
+    ports = {name: free_port() for name in ("A", "B")}
     starting = {
         name: running_server(
             tiny_model_dir,

@@ -11,7 +11,14 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_support import RESUME_PATHS, greedy, random_prompt, small_pool_llm, tokens
+from engine_support import (
+    RESUME_PATHS,
+    greedy,
+    greedy_params,
+    random_prompt,
+    small_pool_llm,
+    tokens,
+)
 from openai_server import free_port
 
 pytestmark = pytest.mark.engine
@@ -72,9 +79,9 @@ def _snapshots(payloads: list[bytes]) -> list[Any]:
     return [event for p in payloads for event in decoder.decode(p).snapshot_events]
 
 
-def _vllm_hashes(llm: Any, token_ids: list[int]) -> list[Any]:
+def _vllm_hashes(llm: Any, token_ids: list[int], salt: str | None = None) -> list[Any]:
     """vLLM's block hashes of ``token_ids`` at the 64-token block, by vLLM's own functions,
-    as its events carry them."""
+    as its events carry them (``salt``: the first block's extra key, as vLLM puts it)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
 
@@ -82,7 +89,8 @@ def _vllm_hashes(llm: Any, token_ids: list[int]) -> list[Any]:
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - 63, 64):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + 64]))
+        keys = (("cache_salt", salt),) if salt is not None and not hashes else None
+        hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + 64], keys))
     return [maybe_convert_block_hash(h) for h in hashes]
 
 
@@ -110,6 +118,20 @@ def test_blocks_and_snapshots_with_vllms_hashes(engine: tuple[Any, Stream]) -> N
         anchor_end = 64 * (expected.index(snapshot.anchor_block_hash) + 1)
         assert snapshot.tail_token_ids == full[anchor_end : snapshot.frontier]
     assert {s.medium for s in resumable} == {"GPU", "CPU"}
+
+
+def test_a_salted_prompt_is_hashed_with_its_salt(engine: tuple[Any, Stream]) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    llm, stream = engine
+    prompt = random_prompt(seed=3, length=2 * 64 + 5)
+    llm.generate(
+        [{"prompt_token_ids": prompt, "cache_salt": "tenant-1"}], greedy_params(2), use_tqdm=False
+    )
+    stored = [e for e in _stock(stream.collect()) if isinstance(e, BlockStored)]
+    hashes = {e.block_hashes[0] for e in stored if e.medium == "GPU"}
+    assert set(_vllm_hashes(llm, prompt, salt="tenant-1")) <= hashes
+    assert not set(_vllm_hashes(llm, prompt)) & hashes
 
 
 def test_stock_decoder_ignores_the_snapshot_field(engine: tuple[Any, Stream]) -> None:

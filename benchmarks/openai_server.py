@@ -30,7 +30,8 @@ class ServerError(RuntimeError):
     """The server exited or did not start; the message ends with its log's tail."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a server or an event stream)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -42,7 +43,7 @@ def running_server(
 ) -> Iterator[tuple[str, int]]:
     """An OpenAI server with hybrid-prefix on ``model`` (eager), with vLLM's options ``extra``;
     yields its base URL and process id."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from vllm_hpc.index import (
     Admission,
+    BlockNode,
     CacheCostModel,
     CommitOutcome,
     HostGeometry,
@@ -20,7 +21,19 @@ from vllm_hpc.index import (
     SavedCache,
     SavedSnapshot,
     Snapshot,
+    SnapshotId,
     SnapshotKind,
+)
+from vllm_hpc.index.journal import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    JournalEvent,
+    Medium,
+    SnapshotPublished,
+    SnapshotRemoved,
+    node_media,
+    snapshot_media,
 )
 
 BLOCK = 64
@@ -62,6 +75,7 @@ def make_index(
     cost: CacheCostModel | None = None,
     hasher=None,
     row_pages: int = 0,
+    record_events: bool = False,
 ) -> PrefixIndex:
     geometry = HostGeometry(block_bytes=block_bytes, image_bytes=image_bytes)
     extra = {} if hasher is None else {"hasher": hasher}
@@ -73,9 +87,55 @@ def make_index(
         host_budget_bytes=host_slabs * geometry.slab_bytes,
         cost=cost or simple_cost(),
         row_pages=row_pages,
+        record_events=record_events,
         **extra,
     )
     return PrefixIndex(config)
+
+
+class JournalReplay:
+    """What a consumer of the journal believes is resident, rebuilt from the events alone."""
+
+    def __init__(self) -> None:
+        self.blocks: set[tuple[BlockNode, Medium]] = set()
+        self.snapshots: set[tuple[SnapshotId, Medium]] = set()
+
+    def apply(self, events: Sequence[JournalEvent]) -> None:
+        for event in events:
+            match event:
+                case BlockStored(node, medium, _):
+                    assert (node, medium) not in self.blocks, "stored twice"
+                    assert node.parent is not None
+                    assert node.parent.is_root or any(
+                        (node.parent, m) in self.blocks for m in Medium
+                    ), "a block stored before its parent"
+                    self.blocks.add((node, medium))
+                case BlockRemoved(node, medium):
+                    self.blocks.remove((node, medium))
+                case AllCleared():
+                    self.blocks.clear()
+                    self.snapshots.clear()
+                case SnapshotPublished(snapshot, anchor, tail, frontier, medium):
+                    assert frontier == anchor.end + len(tail) // 4
+                    assert (snapshot, medium) not in self.snapshots, "published twice"
+                    self.snapshots.add((snapshot, medium))
+                case SnapshotRemoved(snapshot, _, _, _, medium):
+                    self.snapshots.remove((snapshot, medium))
+
+    def check(self, index: PrefixIndex) -> None:
+        """The replay equals the index's resident copies and restorable snapshots."""
+        self.apply(index.drain_events())
+        store = index.store
+        blocks = {
+            (node, medium)
+            for root in store.tree.roots
+            for node in store.tree.subtree(root)
+            if not node.is_root
+            for medium in node_media(node)
+        }
+        snapshots = {(s.id, medium) for s in store.snapshots for medium in snapshot_media(s)}
+        assert self.blocks == blocks
+        assert self.snapshots == snapshots
 
 
 def saved_prompt(saved: SavedCache, snapshot: SavedSnapshot) -> tuple[str | None, tuple[int, ...]]:

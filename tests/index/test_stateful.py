@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.index.harness import BLOCK, assert_resumes, make_index, saved_prompt
+from tests.index.harness import BLOCK, JournalReplay, assert_resumes, make_index, saved_prompt
 from vllm_hpc.index import (
     BlockNode,
     BlockWrite,
@@ -60,9 +60,19 @@ class IndexMachine(RuleBasedStateMachine):
         host=st.sampled_from([0, 4, 9, 20, 40]),
         collide=st.booleans(),
         row_pages=st.sampled_from([0, 0, 2, 3]),
+        record=st.booleans(),
     )
-    def setup(self, pages: int, slots: int, host: int, collide: bool, row_pages: int = 0) -> None:
-        """With ``row_pages``, states take rows of the page space (running requests' too)."""
+    def setup(
+        self,
+        pages: int,
+        slots: int,
+        host: int,
+        collide: bool,
+        row_pages: int = 0,
+        record: bool = False,
+    ) -> None:
+        """With ``row_pages``, states take rows of the page space (running requests' too).
+        With ``record``, the journal's replay must equal the residency after every step."""
         hasher = colliding_hash if collide else xxh3_block_hash
         self.index: PrefixIndex = make_index(
             pages=pages + (1 + slots + 2) * row_pages,
@@ -70,7 +80,9 @@ class IndexMachine(RuleBasedStateMachine):
             host_slabs=host,
             hasher=hasher,
             row_pages=row_pages,
+            record_events=record,
         )
+        self.replay = JournalReplay() if record else None
         self.running: list[Running] = []
         self.writes: list[BlockWrite | SnapshotWrite] = []
         self.pressure: list[list[PageId]] = []
@@ -368,6 +380,8 @@ class IndexMachine(RuleBasedStateMachine):
         if idle:
             self.index = fresh
             self.inflation = 0.0
+            if self.replay is not None:
+                self.replay = JournalReplay()
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -377,6 +391,10 @@ class IndexMachine(RuleBasedStateMachine):
         inflation = self.index.store.value.inflation
         assert inflation >= self.inflation, "L decreased"
         self.inflation = inflation
+        if self.replay is not None:
+            self.replay.check(self.index)
+        else:
+            assert self.index.drain_events() == []
 
 
 def _root_of(node: BlockNode) -> BlockNode:

@@ -26,3 +26,5 @@ class IndexConfig:
     """Host slab pool size; 0 disables the host tier."""
     cost: CostModel = field(default_factory=CacheCostModel)
     hasher: BlockHasher = xxh3_block_hash
+    record_events: bool = False
+    """Journal every residency change for KV cache events (`index/journal.py`)."""

@@ -35,6 +35,7 @@ from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.invariants import check_invariants
+from vllm_hpc.index.journal import Journal, JournalEvent
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
@@ -95,7 +96,9 @@ class PrefixIndex:
     def __init__(self, config: IndexConfig) -> None:
         self.config = config
         self.stats = CacheStats()
-        self.store = CacheStore(config, self.stats)
+        self.journal = Journal() if config.record_events else None
+        """Residency changes since `drain_events`; None unless ``config.record_events``."""
+        self.store = CacheStore(config, self.stats, self.journal)
         """Internal state, exposed for tests and diagnostics: mutate only through this facade."""
         self._leases: set[Lease] = set()
         self._in_flight: set[Transfer] = set()
@@ -469,8 +472,7 @@ class PrefixIndex:
             return False
         if store.pages.pages_in(PageState.ACTIVE) or store.active_rows:
             return False
-        self.store = CacheStore(self.config, self.stats)
-        self._fruitless = None
+        self._renew_store()
         return True
 
     def clear(self) -> None:
@@ -478,8 +480,17 @@ class PrefixIndex:
         capture and transfer it still tracks (an engine with no request running)."""
         self._leases.clear()
         self._in_flight.clear()
-        self.store = CacheStore(self.config, self.stats)
+        self._renew_store()
+
+    def _renew_store(self) -> None:
+        self.store = CacheStore(self.config, self.stats, self.journal)
         self._fruitless = None
+        if self.journal is not None:
+            self.journal.cleared()
+
+    def drain_events(self) -> list[JournalEvent]:
+        """Residency changes since the last call, oldest first (empty unless recording)."""
+        return self.journal.drain() if self.journal is not None else []
 
     # -- persistence (§5.5) -----------------------------------------------------------------
 

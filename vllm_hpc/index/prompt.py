@@ -42,6 +42,13 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
         raise ValueError(f"token id does not fit in int32: {exc}") from None
 
 
+def unpack_tokens(packed: bytes) -> list[int]:
+    """The token ids `pack_tokens` packed."""
+    tokens = array("i")
+    tokens.frombytes(packed)
+    return tokens.tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class MediaItem:
     """One Vision (or other media) item occupying the token span [begin, begin + length)."""

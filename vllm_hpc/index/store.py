@@ -14,6 +14,7 @@ from vllm_hpc.index.device_pool import DevicePagePool, PageState
 from vllm_hpc.index.gdsf import GdsfValuation
 from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
 from vllm_hpc.index.host_pool import HostSlabPool
+from vllm_hpc.index.journal import Journal
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule, may_give_way
 from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
@@ -35,7 +36,11 @@ SCRATCH_ROW = RowId(0)
 
 
 class CacheStore:
-    def __init__(self, config: IndexConfig, stats: CacheStats) -> None:
+    def __init__(
+        self, config: IndexConfig, stats: CacheStats, journal: Journal | None = None
+    ) -> None:
+        self.journal = journal
+        """Where residency changes are recorded for KV cache events; None when off."""
         self.tree = BlockTree(config.hasher)
         self.snapshots = SnapshotTable()
         self.pages = DevicePagePool(config.device_pages, config.first_page_id, config.row_pages)
@@ -77,6 +82,8 @@ class CacheStore:
 
     def sync_node(self, node: BlockNode) -> None:
         """LRU iff device-resident and unheld (backed iff host-resident); dead set per §9.3."""
+        if self.journal is not None and not node.is_root:
+            self._journal_block(node)
         if node.is_root:
             self.tree.discard_root_if_idle(node)
             return
@@ -87,7 +94,14 @@ class CacheStore:
             self.lru.remove(node)
         self.host.sync_dead(node)
 
+    def _journal_block(self, node: BlockNode) -> None:
+        assert self.journal is not None and node.parent is not None
+        first = node.parent.is_root
+        self.journal.block(node, self.tree.salt_of(node.parent) if first else None)
+
     def sync_tail(self, snapshot: Snapshot) -> None:
+        if self.journal is not None:
+            self.journal.snapshot(snapshot)
         if snapshot.tail_device is Residency.RESIDENT and snapshot.restore_pins == 0:
             if self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT):
                 self.prefetch_epoch += 1
@@ -239,6 +253,8 @@ class CacheStore:
             node.device_page, node.device = None, Residency.ABSENT
             node.host_slab, node.host = None, Residency.ABSENT
             self.prefetched.discard(node)
+            if self.journal is not None:
+                self._journal_block(node)
             self.tree.remove_leaf(node)
             self.stats.nodes_deleted += 1
 
@@ -302,6 +318,8 @@ class CacheStore:
         self._apply(self.snapshots.remove(snapshot))
         if snapshot.anchor.is_root:
             self.tree.discard_root_if_idle(snapshot.anchor)
+        if self.journal is not None:
+            self.journal.snapshot(snapshot, deleted=True)
         self.stats.snapshots_deleted += 1
 
     def _free_snapshot_host(self, snapshot: Snapshot) -> None:
@@ -326,6 +344,8 @@ class CacheStore:
             return
         self.release_slot(snapshot.slot, snapshot.published_plan < self.plan)
         snapshot.slot = None
+        if self.journal is not None:
+            self.journal.snapshot(snapshot)
 
     def drop_snapshot_tail_device(self, snapshot: Snapshot) -> None:
         assert snapshot.tail_page is not None

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, SavedCache
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
+from vllm_hpc.index.journal import JournalEvent
 from vllm_hpc.runtime.admission import Admission
 from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
@@ -197,6 +198,11 @@ class HybridPrefixCache:
         """Fraction of device pages held by running requests (cached pages count as free)."""
         capacity = self.index.store.usable_pages
         return 1.0 - self.index.available_pages / capacity
+
+    def drain_events(self) -> list[JournalEvent]:
+        """The index's residency changes since the last call (KV cache events; empty unless
+        the index records them)."""
+        return self.index.drain_events()
 
     def reset(self) -> bool:
         """Drop every cached entry; refused (False) while a request runs.

@@ -80,6 +80,7 @@ def _restore_once(core: Any) -> None:
     if cache_file is not None and not getattr(core, "_hpc_restored", False):
         core._hpc_restored = True
         cache_file.restore(partial(_rpc, core))
+        core.scheduler.publish_kv_events()  # the restored blocks, before the first request
 
 
 def _cache_file(core: Any) -> PrefixCacheFile | None:

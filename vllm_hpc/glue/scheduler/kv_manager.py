@@ -6,12 +6,14 @@ puts this class in its place. It translates vLLM's requests and block lists to t
 - KV cache group "attention" (every full-attention layer): the request's 64-token pages.
 - KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state row.
 
-Everything vLLM asks of a manager that the cache has no use for (KV events, boundary state
-offloads, external-load bookkeeping) answers "nothing".
+KV cache events (`--kv-events-config`) come from the index's journal, translated to vLLM's
+types by `glue/scheduler/kv_events.py`. Everything else vLLM asks of a manager that the cache
+has no use for (boundary state offloads, external-load bookkeeping) answers "nothing".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable
@@ -28,6 +30,7 @@ from vllm_hpc.glue.row_layout import RowLayout, plan_rows, spans_of
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
+from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator
 from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.index import MediaItem, TapHint
@@ -93,6 +96,17 @@ class HybridPrefixKVCacheManager:
             chunk=vllm_config.scheduler_config.max_num_batched_tokens,
             in_pass=state_spec.in_pass_taps,
         )
+        events = vllm_config.kv_events_config
+        self.kv_events = (
+            KVEventTranslator(vllm_config, groups.index(attention[0]))
+            if events is not None and events.enable_kv_cache_events
+            else None
+        )
+        """Translates the index's journal for vLLM's publisher; None: events are off."""
+        if self.kv_events is not None:
+            config = dataclasses.replace(
+                config, index=dataclasses.replace(config.index, record_events=True)
+            )
         self.cache = HybridPrefixCache(config)
         self.active_cap = config.active_cap
         self.max_model_len = max_model_len
@@ -162,7 +176,11 @@ class HybridPrefixKVCacheManager:
         return {}
 
     def take_events(self) -> list[Any]:
-        return []
+        """vLLM's block events since the last call, for its publisher; the snapshot events
+        wait in the translator for the batch (`SnapshotEventPublisher`)."""
+        if self.kv_events is None:
+            return []
+        return self.kv_events.translate(self.cache.drain_events())
 
     # -- admission --------------------------------------------------------------------------
 

@@ -22,10 +22,12 @@ preemption) to vLLM:
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any
 
 import vllm.v1.core.sched.scheduler as vllm_scheduler
+from vllm.distributed.kv_events import EventPublisher, KVEventBatch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
@@ -34,6 +36,7 @@ from vllm.v1.request import RequestStatus
 from vllm_hpc.derived import cache_file_path
 from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
 from vllm_hpc.glue.scheduler.fingerprint import engine_fingerprint
+from vllm_hpc.glue.scheduler.kv_events import SnapshotEventPublisher
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
 from vllm_hpc.glue.scheduler.persistence import PrefixCacheFile
 from vllm_hpc.options import PluginOptions
@@ -45,6 +48,7 @@ class _HybridPrefixMixin:
     """What both scheduler variants add to vLLM's."""
 
     kv_cache_manager: HybridPrefixKVCacheManager
+    kv_event_publisher: EventPublisher
     _audit: CacheAudit | None
     prefix_cache_file: PrefixCacheFile | None
     requests: dict[str, Any]
@@ -60,6 +64,9 @@ class _HybridPrefixMixin:
             super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
         finally:
             vllm_scheduler.KVCacheManager = original
+        translator = self.kv_cache_manager.kv_events
+        if translator is not None:
+            self.kv_event_publisher = SnapshotEventPublisher(self.kv_event_publisher, translator)
         slots = self.kv_cache_manager.active_cap
         self.max_num_running_reqs = min(self.max_num_running_reqs, slots)
         self.max_num_active_reqs = min(self.max_num_active_reqs, slots)
@@ -119,7 +126,23 @@ class _HybridPrefixMixin:
             self._fail_unservable(outputs)
         if self._audit is not None:
             self._run_audit(outputs)
+        self.publish_kv_events()
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Publish what the cache did since vLLM's own publication in this step (the commits
+        and taps above), or since the last step (a reset, a load at start-up)."""
+        translator = self.kv_cache_manager.kv_events
+        if translator is None:
+            return
+        events = self.kv_cache_manager.take_events()
+        if events or translator.snapshot_events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        done = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
+        self.publish_kv_events()
+        return done
 
     def _run_audit(self, outputs: dict[int, Any]) -> None:
         """Hide the audit's runs from the front end; queue runs for the newly resumed."""

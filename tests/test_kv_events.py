@@ -169,3 +169,31 @@ def test_pressure_removes_and_a_reset_clears(engine: tuple[Any, Stream]) -> None
     assert removed > 0
     assert llm.reset_prefix_cache()
     assert any(isinstance(e, AllBlocksCleared) for e in _stock(stream.collect()))
+
+
+def test_a_snapshot_dropped_with_its_anchors_last_copy_names_the_anchor() -> None:
+    """§9.4 deletes the snapshots on a block after the block's last copy went, in the same
+    batch: the translator still names the anchor by the hash it published it under."""
+    from types import SimpleNamespace
+
+    from tests.index.harness import BLOCK, Harness, make_index, toks
+    from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator, SnapshotDropped
+    from vllm_hpc.index.journal import BlockRemoved, BlockStored, SnapshotPublished, SnapshotRemoved
+
+    index = make_index(record_events=True)
+    Harness(index).run(toks(1, 2 * BLOCK + 10), taps=[2 * BLOCK])
+    events = index.drain_events()
+    config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"))
+    translator = KVEventTranslator(config, group_idx=0)
+    translated = translator.translate(events)
+    hashes = {
+        e.node: t.block_hashes[0]
+        for e, t in zip([e for e in events if isinstance(e, BlockStored)], translated, strict=True)
+    }
+    published = next(e for e in events if isinstance(e, SnapshotPublished))
+    anchor, medium = published.anchor, published.medium
+    where = (published.snapshot, anchor, published.tail, published.frontier, medium)
+    translator.translate([BlockRemoved(anchor, medium), SnapshotRemoved(*where)])
+    dropped = translator.snapshot_events[-1]
+    assert isinstance(dropped, SnapshotDropped)
+    assert dropped.anchor_block_hash == hashes[anchor]

@@ -105,8 +105,18 @@ class KVEventTranslator:
         """Snapshot events translated and not yet published."""
 
     def translate(self, events: list[JournalEvent]) -> list[KVCacheEvent]:
-        """vLLM's events for ``events``, in order; the snapshot events go to `snapshot_events`."""
+        """vLLM's events for ``events``, in order; the snapshot events go to `snapshot_events`.
+        A block whose last copy went keeps its hash until the batch ends: §9.4 deletes the
+        snapshots anchored on it after the block's copy, in the same batch."""
         out: list[KVCacheEvent] = []
+        try:
+            self._translate(events, out)
+        finally:
+            for node in [n for n, known in self._known.items() if not known.media]:
+                del self._known[node]
+        return out
+
+    def _translate(self, events: list[JournalEvent], out: list[KVCacheEvent]) -> None:
         for event in events:
             match event:
                 case JournalBlockStored(node, medium, tenant):
@@ -130,7 +140,6 @@ class KVEventTranslator:
                     self.snapshot_events.append(
                         SnapshotDropped(snapshot, frontier, self._anchor(anchor), MEDIA[medium])
                     )
-        return out
 
     def _stored(self, node: BlockNode, medium: Medium, tenant: str | None) -> BlockStored:
         parent = node.parent
@@ -173,8 +182,6 @@ class KVEventTranslator:
     def _removed(self, node: BlockNode, medium: Medium) -> BlockRemoved:
         known = self._known[node]
         known.media.discard(medium)
-        if not known.media:
-            del self._known[node]
         return BlockRemoved(
             block_hashes=[maybe_convert_block_hash(known.block_hash)],
             medium=MEDIA[medium],

@@ -196,6 +196,17 @@ def greedy(
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
 
 
+def cancel_after_steps(llm: Any, prompt: Sequence[int], steps: int, max_tokens: int) -> None:
+    """Submit ``prompt`` as request "cancelled", run ``steps`` engine steps (a long prompt is
+    then mid-prefill), and abort it, as a client that gives up does."""
+    engine = llm.llm_engine
+    params = greedy_params(max_tokens)
+    engine.add_request("cancelled", {"prompt_token_ids": list(prompt)}, params)
+    for _ in range(steps):
+        engine.step()
+    engine.abort_request(["cancelled"])
+
+
 def tokens(output: Any) -> list[int]:
     return list(output.outputs[0].token_ids)
 

@@ -16,6 +16,7 @@ from engine_support import (
     HYBRID,
     assert_same_up_to_near_tie,
     cache_of,
+    cancel_after_steps,
     greedy,
     greedy_params,
     random_prompt,
@@ -182,11 +183,7 @@ def test_cancelled_prefill_leaves_its_blocks_and_taps(hybrid: Any, cold: Any) ->
     """Cancelled after three 512-token chunks, a request leaves its blocks, the ladder tap it
     captured at 1024 and an endpoint at 1536; the same prompt then resumes at 1536."""
     prompt = random_prompt(seed=80, length=3000)
-    engine = hybrid.llm_engine
-    engine.add_request("cancelled", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
-    for _ in range(3):
-        engine.step()
-    engine.abort_request(["cancelled"])
+    cancel_after_steps(hybrid, prompt, steps=3, max_tokens=ANSWER)
     out = served(hybrid, cold, prompt)
     assert out.num_cached_tokens == 1536
 

@@ -15,9 +15,9 @@ from engine_support import (
     SMALL_POOL_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
+    cancel_after_steps,
     cold_reference,
     greedy,
-    greedy_params,
     random_prompt,
     running_llm,
     settle_and_audit,
@@ -113,12 +113,7 @@ def test_slow_host_copies_in_flight_at_a_cancel_a_reset_and_under_pressure(
         first = greedy(llm, [written], 8)[0]
         assert_same_up_to_near_tie(first, cold, written, 8)
         assert cache.pipeline.writes_in_flight()
-        engine = llm.llm_engine
-        cancelled = random_prompt(seed=61, length=1500)
-        engine.add_request("cancelled", {"prompt_token_ids": cancelled}, greedy_params(8))
-        engine.step()
-        engine.step()
-        engine.abort_request(["cancelled"])
+        cancel_after_steps(llm, random_prompt(seed=61, length=1500), steps=2, max_tokens=8)
         cache.audit()
         for seed in range(62, 66):  # device pressure while the writes are still in flight
             greedy(llm, [random_prompt(seed=seed, length=1500)], 4)

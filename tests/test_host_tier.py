@@ -15,6 +15,7 @@ import pytest
 from engine_support import (
     assert_same_up_to_near_tie,
     cache_of,
+    cancel_after_steps,
     greedy,
     greedy_params,
     random_prompt,
@@ -120,10 +121,7 @@ def test_cancelled_while_restoring(hosted: Any, cold: Any) -> None:
     prompt = random_prompt(seed=50, length=1500)
     greedy(hosted, [prompt], 4)
     push_off_device(hosted, seed=300)
-    engine = hosted.llm_engine
-    engine.add_request("cancelled", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
-    engine.step()
-    engine.abort_request(["cancelled"])
+    cancel_after_steps(hosted, prompt, steps=1, max_tokens=ANSWER)
     cache_of(hosted).audit()
     out = greedy(hosted, [prompt], ANSWER)[0]
     assert out.num_cached_tokens == 1472

@@ -21,9 +21,9 @@ import torch
 from engine_support import (
     RESUME_PATHS,
     assert_same_up_to_near_tie,
+    cancel_after_steps,
     cold_reference,
     greedy,
-    greedy_params,
     random_prompt,
     resume_from_a_tap_an_endpoint_and_the_host,
     settle_and_audit,
@@ -80,11 +80,7 @@ def edit_and_cancel(llm: Any, cold: Any | None) -> list[int]:
             assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
     settle_and_audit(llm)
     prompt = random_prompt(seed=602, length=1900)
-    engine = llm.llm_engine
-    engine.add_request("cancelled", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
-    for _ in range(2):
-        engine.step()
-    engine.abort_request(["cancelled"])
+    cancel_after_steps(llm, prompt, steps=2, max_tokens=ANSWER)
     settle_and_audit(llm)
     out = greedy(llm, [prompt], ANSWER)[0]
     counts.append(out.num_cached_tokens)

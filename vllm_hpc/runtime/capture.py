@@ -137,7 +137,7 @@ class Captures:
                 page_copy = PageCopy(source, tail_page)
         dst = self.index.slot_row(slot)
         copy: StateCopy | InPassCapture = (
-            StateCopy(lane.slot, dst)
+            lane.state_copy(dst)
             if in_pass_offset is None
             else InPassCapture(lane.slot, in_pass_offset, dst)
         )
@@ -224,7 +224,8 @@ class Captures:
             self.index.free_pages([capture.tail_page])
 
     def _release(self, lane: Lane) -> None:
-        self.index.release_state_row(lane.slot)
+        for row in lane.rows:
+            self.index.release_state_row(row)
         if lane.private:
             self.pipeline.quarantine(sorted(lane.private))
             lane.private = set()

@@ -97,12 +97,16 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec | None:
         pool = self.state_pool
+        speculative = vllm_config.speculative_config
         return StateSlotSpec(
             shapes=((1,),),
             dtypes=(torch.int8,),
             block_size=BLOCK_TOKENS,
             mamba_type=self.mamba_type,
             mamba_cache_mode="none",
+            # K more "blocks" (rows) per request with K speculative tokens, as vLLM's own spec
+            # asks (`MambaBase.get_kv_cache_spec`): its kernel keeps a state per verified token.
+            num_speculative_blocks=speculative.num_speculative_tokens if speculative else 0,
             layer_state_bytes=pool.layer_state_bytes,
             image_bytes=pool.image_bytes,
             in_pass_taps=pool.in_pass_taps,
@@ -150,7 +154,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     """Adopt the GDN layers into one pool; its memory comes from the KV cache (`bind`)."""
     layers = _gdn_layers(model)
     device = next(model.parameters()).device
-    pool = StatePool(device)
+    pool = StatePool(device, is_conv_state_dim_first())
     why_not = _in_pass_unavailable(layers, device, vllm_config)
     pool.in_pass_taps = why_not is None
     for layer in layers:

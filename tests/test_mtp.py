@@ -127,3 +127,75 @@ def test_speculative_resumes_from_a_tap_an_endpoint_and_the_host(
     before = cache.admissions.hit_tokens_host
     _resumes_like_a_cold_run(speculative, cold, prompt, tap)
     assert cache.admissions.hit_tokens_host - before == 1472
+
+
+def _state(llm: Any, row: int) -> list[Any]:
+    """Per GDN layer, the state in ``row`` as a prefill reads it: the conv window (its first
+    ``width - 1`` columns) and the recurrent state, as float32."""
+
+    def read(model: Any) -> list[Any]:
+        import torch
+
+        from vllm_hpc.glue.worker.model import HybridPrefixGDN
+
+        states = []
+        for layer in model.modules():
+            if isinstance(layer, HybridPrefixGDN):
+                conv, recurrent = layer.kv_cache
+                columns = conv[row] if layer.state_pool.conv_dim_first else conv[row].T
+                window = columns[:, : layer.conv_kernel_size - 1]
+                states.append(torch.cat([window.flatten(), recurrent[row].flatten()]).float())
+        return states
+
+    return llm.apply_model(read)[0]
+
+
+def _snapshot_state(llm: Any, kind: Any, frontier: int) -> list[Any]:
+    cache = cache_of(llm)
+    found = [s for s in cache.index.store.snapshots if s.kind is kind and s.frontier == frontier]
+    assert len(found) == 1, [(s.kind, s.frontier, s.slot) for s in cache.index.store.snapshots]
+    (snapshot,) = found
+    return _state(llm, cache.index.slot_row(snapshot.slot))
+
+
+def _distance(a: list[Any], b: list[Any]) -> float:
+    return max(float((x - y).norm() / y.norm()) for x, y in zip(a, b, strict=True))
+
+
+def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
+    """The endpoint of a request whose last verification pass accepted drafts holds the state
+    after its committed tokens, gathered from the rows vLLM's kernel left it in: close to what
+    a cold prefill of the same tokens leaves, far from the state one token earlier."""
+    from vllm_hpc.index import SnapshotKind
+
+    prompt = random_prompt(seed=800, length=700)
+    out, _, _ = _run(speculative, prompt)
+    _run_one_step(speculative)  # the endpoint's copy runs with the next step's
+    cache = cache_of(speculative)
+    ends = [s.frontier for s in cache.index.store.snapshots if s.kind is SnapshotKind.ENDPOINT]
+    frontier = max(f for f in ends if f <= len(prompt) + ANSWER)
+    assert frontier > len(prompt)
+    endpoint = _snapshot_state(speculative, SnapshotKind.ENDPOINT, frontier)
+    known = prompt + tokens(out)
+    references = {}
+    for at in (frontier, frontier - 1):
+        # One token past the frontier, so that a tap may lie there (any token: the state at
+        # the frontier does not depend on it).
+        request = {"prompt_token_ids": [*known[:frontier], 0], "cache_salt": f"at-{next(SALTS)}"}
+        speculative.generate([request], greedy_params(1, breakpoints=[at]), use_tqdm=False)
+        _run_one_step(speculative)  # a finished request's captures publish at the next step
+        references[at] = _snapshot_state(speculative, SnapshotKind.BOUNDARY, at)
+    near = _distance(endpoint, references[frontier])
+    far = _distance(endpoint, references[frontier - 1])
+    assert near < 0.05
+    assert far > 5 * near
+    settle_and_audit(speculative)
+
+
+def _run_one_step(llm: Any) -> None:
+    """A request too short to leave a snapshot (which could take a slot from one to read)."""
+    llm.generate(
+        [{"prompt_token_ids": random_prompt(seed=998, length=20)}],
+        greedy_params(1),
+        use_tqdm=False,
+    )

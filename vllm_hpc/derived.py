@@ -146,8 +146,8 @@ def check_one_request_fits(
     if need > usable:
         raise OptionError(
             f"--max-model-len {max_model_len}: one request that long needs {need} device pages "
-            f"(its KV and {lane_rows} state row(s) of {row_pages}), and the KV cache has {usable} beside its "
-            "scratch row; lower --max-model-len or give vLLM more memory "
+            f"(its KV and {lane_rows} state row(s) of {row_pages}), and the KV cache has "
+            f"{usable} beside its scratch row; lower --max-model-len or give vLLM more memory "
             "(--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)"
         )
 

@@ -442,7 +442,7 @@ def _build_mtp(source: Path, recipe: TinyMTPRecipe, out_dir: Path) -> None:
     for name, tensor in list(tensors.items()):
         for part, prefix in sources.items():
             if name.startswith(prefix + "."):
-                mtp[f"mtp.layers.0.{part}{name[len(prefix):]}"] = tensor.clone()
+                mtp[f"mtp.layers.0.{part}{name[len(prefix) :]}"] = tensor.clone()
     dtype = getattr(torch, config["dtype"])
     tensors.update(mtp)
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}

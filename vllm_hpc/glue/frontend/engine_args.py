@@ -204,7 +204,7 @@ def check_speculative_config(config: Any) -> None:
         why = "other drafters keep KV and states the cache does not hold"
     raise OptionError(
         f"--speculative-config method {method!r}: --kv-cache-manager hybrid-prefix serves "
-        f"speculative decoding with method \"mtp\" (Qwen3.5's MTP layers) only; {why}"
+        f'speculative decoding with method "mtp" (Qwen3.5\'s MTP layers) only; {why}'
     )
 
 

@@ -137,8 +137,10 @@ class HybridPrefixCache:
     def commit(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
         self.captures.commit(lane, token_ids, num_computed)
 
-    def finish(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
-        self.captures.finish(lane, token_ids, num_computed)
+    def finish(
+        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
+    ) -> None:
+        self.captures.finish(lane, token_ids, num_computed, in_flight)
 
     # -- reporting --------------------------------------------------------------------------
 

@@ -321,7 +321,12 @@ class HybridPrefixKVCacheManager:
         self.cache.forget(rid)
         lane = self.lanes.pop(rid, None)
         if lane is not None:
-            self.cache.finish(lane, request.all_token_ids, request.num_computed_tokens)
+            self.cache.finish(
+                lane,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                in_flight=request.num_output_placeholders > 0,
+            )
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []

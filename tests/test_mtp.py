@@ -6,6 +6,10 @@ Each resume path (a prompt-tail tap, an endpoint with a tail, the same tap resto
 host) then decodes speculatively: its tokens are the cold run's without speculation (up to the
 near-tie rule), its acceptance is a cold speculative run's (the same prompt under another
 `cache_salt`, in the same engine), and the audit is clean after it.
+
+Tokens alone are a weak check here: the tiny model's next token depends mostly on its current
+one, and a state one token behind still gave a cold run's tokens. So an endpoint's state itself
+is compared with what a cold prefill of the same tokens leaves.
 """
 
 from __future__ import annotations

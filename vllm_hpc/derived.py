@@ -135,16 +135,19 @@ def state_caps(options: PluginOptions, rows: int, max_seqs: int) -> StateCaps:
     return StateCaps(active, min(snapshots, rows - 1), sized_for)
 
 
-def check_one_request_fits(max_model_len: int, device_pages: int, row_pages: int) -> None:
+def check_one_request_fits(
+    max_model_len: int, device_pages: int, row_pages: int, lane_rows: int = 1
+) -> None:
     """Refuse a KV cache that cannot hold one request of --max-model-len tokens with its state
-    row beside the scratch row (vLLM's own check counts the KV pages alone)."""
-    need = -(-max_model_len // BLOCK_TOKENS) + row_pages
+    rows (``lane_rows``: `RuntimeConfig.lane_rows`) beside the scratch row (vLLM's own check
+    counts the KV pages alone)."""
+    need = -(-max_model_len // BLOCK_TOKENS) + row_pages * lane_rows
     usable = device_pages - row_pages
     if need > usable:
         raise OptionError(
             f"--max-model-len {max_model_len}: one request that long needs {need} device pages "
-            f"(its KV and a state row of {row_pages}), and the KV cache has {usable} beside its "
-            "scratch row; lower --max-model-len or give vLLM more memory "
+            f"(its KV and {lane_rows} state row(s) of {row_pages}), and the KV cache has "
+            f"{usable} beside its scratch row; lower --max-model-len or give vLLM more memory "
             "(--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)"
         )
 
@@ -198,15 +201,16 @@ def runtime_config(
     max_model_len: int,
     chunk: int,
     in_pass: bool,
+    lane_rows: int = 1,
 ) -> RuntimeConfig:
     """The scheduler's cache configuration, from the options and what vLLM sized: device
     pages (ids from 1: vLLM's block 0 is its null block) of ``page_bytes`` over every attention
     layer, grouped in state rows of ``row_pages``; states of ``image_bytes``; the prefill
-    chunk."""
+    chunk; ``lane_rows`` state rows per running request (`RuntimeConfig.lane_rows`)."""
     geometry = HostGeometry(page_bytes, image_bytes)
     check_host_budget(options.host_tier_mib, geometry)  # the slab pool would refuse it unnamed
     caps = state_caps(options, device_pages // row_pages, max_seqs)
-    check_one_request_fits(max_model_len, device_pages, row_pages)
+    check_one_request_fits(max_model_len, device_pages, row_pages, lane_rows)
     return RuntimeConfig(
         index=IndexConfig(
             device_pages=device_pages,
@@ -221,4 +225,5 @@ def runtime_config(
         chunk_tokens=chunk,
         prefix_reuse=not options.no_prefix_reuse,
         in_pass_taps=in_pass,
+        lane_rows=lane_rows,
     )

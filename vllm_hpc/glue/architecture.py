@@ -19,6 +19,10 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "HybridPrefixQwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration": "HybridPrefixQwen3_5MoeForConditionalGeneration",
 }
+MTP_DRAFTERS = ("Qwen3_5MTP", "Qwen3_5MoeMTP")
+"""vLLM's drafters for `--speculative-config` method "mtp": vLLM builds the draft model's
+config from the target's checkpoint with the same `hf_overrides`. They are kept as they are
+(one full-attention layer, no GDN state; its KV joins the target's attention pages)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class ArchitectureOverride:
                     setattr(hf_config, key, value)
         # vLLM may call this more than once, and first on a config still without architectures.
         architectures = [a for a in getattr(hf_config, "architectures", None) or [] if a]
-        ours = set(ARCHITECTURES.values())
+        ours = set(ARCHITECTURES.values()) | set(MTP_DRAFTERS)
         unsupported = [a for a in architectures if a not in ARCHITECTURES and a not in ours]
         if unsupported:
             raise OptionError(

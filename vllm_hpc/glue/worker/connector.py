@@ -67,10 +67,24 @@ class _WriteInFlight:
     """The worker step that issued it (the `host_slow` fault holds its report back)."""
 
 
+ONE_ENGINE_PER_PROCESS = (
+    "hybrid-prefix: this engine's worker found the KV connector of an earlier hybrid-prefix "
+    "engine in its process. vLLM 0.32.0 keeps one KV connector per process (an engine core "
+    "run in the caller's process, VLLM_ENABLE_V1_MULTIPROCESSING=0, keeps it after its "
+    "shutdown too), and this engine would lay the earlier one's state pool over its own KV "
+    "cache. Run each engine core in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, "
+    "vLLM's default), or shut the earlier engine down and call vLLM's "
+    "ensure_kv_transfer_shutdown() before starting the next"
+)
+"""Raised at start-up rather than serve two engines from one cache."""
+
+
 class ConnectorWorker:
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
+        self._kv_storage: frozenset[int] | None = None
+        """The KV cache buffers registered (`register_kv_caches`), by address."""
         self.meter = TransferMeter()
         """The host tier's copies, timed."""
         self._pool: Any = None
@@ -101,7 +115,12 @@ class ConnectorWorker:
         return self.meter.read()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Lay the state pool over the KV cache buffer, then bind the host tier to both."""
+        """Lay the state pool over the KV cache buffer, then bind the host tier to both.
+        Another engine's buffers are refused (`ONE_ENGINE_PER_PROCESS`)."""
+        storage = frozenset(t.untyped_storage().data_ptr() for t in kv_caches.values())
+        if self._kv_storage not in (None, storage):
+            raise RuntimeError(ONE_ENGINE_PER_PROCESS)
+        self._kv_storage = storage
         pool = self._state_pool()
         rows = pool.bind(kv_caches, self._kv_cache_config.num_blocks)
         logger.info(

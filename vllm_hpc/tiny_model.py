@@ -413,7 +413,7 @@ def tiny_mtp_path(recipe: TinyMTPRecipe = MTP_RECIPE) -> Path:
 
 def _build_mtp(source: Path, recipe: TinyMTPRecipe, out_dir: Path) -> None:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     tensors = load_file(str(source / "model.safetensors"))
     config = json.loads((source / "config.json").read_text())
@@ -446,12 +446,8 @@ def _build_mtp(source: Path, recipe: TinyMTPRecipe, out_dir: Path) -> None:
     dtype = getattr(torch, config["dtype"])
     tensors.update(mtp)
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    for file in source.iterdir():
-        if file.name not in ("model.safetensors", "config.json"):
-            shutil.copy(file, out_dir / file.name)
     config["mtp_num_hidden_layers"] = 1
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))  # last: marks it built
+    _write_variant(source, out_dir, tensors, config)
 
 
 QUANT_GROUP_SIZE = 128
@@ -502,7 +498,7 @@ def tiny_quantized_path(method: str, recipe: TinyQwen35Recipe = DEFAULT_RECIPE) 
 def _build_quantized(
     source: Path, method: str, writer: Callable[[Any], dict[str, Any]], out_dir: Path
 ) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     tensors = {}
     for name, tensor in load_file(str(source / "model.safetensors")).items():
@@ -511,13 +507,23 @@ def _build_quantized(
             tensors.update({f"{module}.{k}": v for k, v in writer(tensor).items()})
         else:
             tensors[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(method, config["layer_types"])
+    _write_variant(source, out_dir, tensors, config)
+
+
+def _write_variant(
+    source: Path, out_dir: Path, tensors: dict[str, Any], config: dict[str, Any]
+) -> None:
+    """A variant of the model in ``source``: its ``tensors``, the source's other files (tokenizer,
+    processor, recipe) and its ``config`` written last, which marks it built (`_built`)."""
+    from safetensors.torch import save_file
+
     save_file(tensors, str(out_dir / "model.safetensors"))
     for file in source.iterdir():
         if file.name not in ("model.safetensors", "config.json"):
             shutil.copy(file, out_dir / file.name)
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(method, config["layer_types"])
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))  # last: marks it built
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def _quantization_config(method: str, layer_types: list[str]) -> dict[str, Any]:

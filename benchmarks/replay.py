@@ -83,6 +83,9 @@ class Profile:
     memory: float
 
 
+SHARED_DEVICE_SHARE = 0.05
+"""`gpu_memory_utilization` with ``--kv-cache-gib``: vLLM checks only that this share is free."""
+
 PROFILES = {
     "cpu": Profile(0.5, 1.5, 0.25, 32, 1.0, 4, 8, 3, 5, 3000, 8192, 0.2),
     "gpu": Profile(2.0, 6.0, 1.0, 8, 1.0, 8, 8, 3, 5, 100_000, 102_400, 0.85),
@@ -264,6 +267,10 @@ def engine_kwargs(
     }
     if args.speculative_config is not None:
         limits["speculative_config"] = args.speculative_config
+    if args.kv_cache_gib is not None:
+        # vLLM then skips its memory profiling; the share is only checked free at start-up.
+        limits["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+        limits["gpu_memory_utilization"] = SHARED_DEVICE_SHARE
     if args.profile == "cpu":
         model = Path(args.model) if args.model else None
         return llm_kwargs(model, **limits, **cache, additional_config=extra)
@@ -387,6 +394,13 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
         type=speculative_config,
         help="vLLM's --speculative-config (JSON), for every configuration alike",
     )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="a fixed KV cache for every configuration (vLLM's kv_cache_memory_bytes) instead of "
+        "the profile's memory share: the same bytes on every side, and other processes may share "
+        "the device (no memory profiling)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON and report")
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -435,12 +449,15 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         raise SystemExit(
             f"--resume: {args.resume} ran --speculative-config {data['speculative_config']}"
         )
+    if data.get("kv_cache_gib", args.kv_cache_gib) != args.kv_cache_gib:
+        raise SystemExit(f"--resume: {args.resume} ran --kv-cache-gib {data['kv_cache_gib']}")
     data.update(
         vllm=vllm.__version__,
         machine=machine(args.model),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
         speculative_config=spec,
+        kv_cache_gib=args.kv_cache_gib,
     )
     data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})

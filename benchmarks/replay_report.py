@@ -144,6 +144,16 @@ def _header(data: dict[str, Any]) -> list[str]:
         f"Started: {data['date']}  ",
         f"vLLM {data['vllm']}; machine: {data['machine']}  ",
         f"Profile: {', '.join(f'{k}={v}' for k, v in profile.items())}  ",
+        *(
+            [f"Speculative decoding on every side: `{json.dumps(spec)}`  "]
+            if (spec := data.get("speculative_config"))
+            else []
+        ),
+        *(
+            [f"KV cache: {gib} GiB on every side (`--kv-cache-gib`; no memory profiling)  "]
+            if (gib := data.get("kv_cache_gib"))
+            else []
+        ),
         "Mode: "
         + "; ".join(f"{c} {data['configs'][c].get('mode', 'eager (unrecorded)')}" for c in configs)
         + "  ",

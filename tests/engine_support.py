@@ -228,6 +228,47 @@ def assert_same_up_to_near_tie(out: Any, cold: Any, prompt: Sequence[int], answe
     assert parting is None or parting.near_tie, parting.describe()
 
 
+SPECULATIVE_ANSWER = 96
+"""Tokens each speculative request generates (`speculative_run`)."""
+
+
+def speculative_run(
+    llm: Any, prompt: list[int], salt: str | None = None
+) -> tuple[Any, float, float]:
+    """One greedy request alone under speculative decoding; its output, and the draft tokens
+    proposed and accepted for it (vLLM's counters before and after)."""
+    drafts = counter(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        request["cache_salt"] = salt
+    out = llm.generate([request], greedy_params(SPECULATIVE_ANSWER), use_tqdm=False)[0]
+    return (
+        out,
+        counter(llm, "vllm:spec_decode_num_draft_tokens") - drafts,
+        counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted,
+    )
+
+
+def speculative_resume_is_cold(
+    llm: Any, cold: Any, prompt: list[int], cached: range, salt: str
+) -> tuple[Any, float]:
+    """Serve ``prompt`` from the cache (``cached``: the tokens it may hit), then again under
+    the cache salt ``salt`` (no hit: a cold speculative run). The tokens are the cold
+    reference's (no speculation); where they equal the cold speculative run's, so do its draft
+    and accepted counts (the drafter saw the same inputs). The audit after both. Returns the
+    resumed output and its accepted draft tokens."""
+    out, drafts, accepted = speculative_run(llm, prompt)
+    assert out.num_cached_tokens in cached
+    assert_same_up_to_near_tie(out, cold, prompt, SPECULATIVE_ANSWER)
+    fresh, fresh_drafts, fresh_accepted = speculative_run(llm, prompt, salt=salt)
+    assert fresh.num_cached_tokens == 0
+    if tokens(out) == tokens(fresh):
+        assert (drafts, accepted) == (fresh_drafts, fresh_accepted)
+    settle_and_audit(llm)
+    return out, accepted
+
+
 def resume_from_a_tap_an_endpoint_and_the_host(llm: Any, cold: Any, seed: int) -> None:
     """The resume paths one in-process engine with a host tier must serve exactly, each checked
     against ``cold`` with the audit after it: a prompt-tail tap with a 28-token tail, the

@@ -21,14 +21,16 @@ from typing import Any
 import pytest
 from engine_support import (
     RESUME_PATHS,
+    SPECULATIVE_ANSWER,
     assert_same_up_to_near_tie,
     cache_of,
-    counter,
     greedy_params,
     random_prompt,
     running_llm,
     settle_and_audit,
     small_pool_llm,
+    speculative_resume_is_cold,
+    speculative_run,
     tokens,
 )
 
@@ -43,7 +45,6 @@ ROW_PAGES = 17
 """Pages of a state row here: the MTP layer's attention pages join the target's (two layers
 of 32 KiB per block): a 0.78 MiB state with its wider conv buffer takes 17 (two GDN layers'
 states in one layer's pages, one in the other's)."""
-ANSWER = 96
 HOSTED = {**RESUME_PATHS, "host_cache_mib": 96}
 """The resume paths' small pool, with a host tier that keeps the tap through this module's
 traffic: its pages are twice the tiny model's (the MTP layer's KV), and each resume here is run
@@ -84,35 +85,10 @@ def speculative(request: pytest.FixtureRequest, mtp_model: str, cold: Any) -> It
         yield llm
 
 
-def _run(llm: Any, prompt: list[int], salt: str | None = None) -> tuple[Any, float, float]:
-    """One greedy request alone; its output, draft tokens and accepted draft tokens."""
-    drafts = counter(llm, "vllm:spec_decode_num_draft_tokens")
-    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
-    request: dict[str, Any] = {"prompt_token_ids": prompt}
-    if salt is not None:
-        request["cache_salt"] = salt
-    out = llm.generate([request], greedy_params(ANSWER), use_tqdm=False)[0]
-    return (
-        out,
-        counter(llm, "vllm:spec_decode_num_draft_tokens") - drafts,
-        counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted,
-    )
-
-
 def _resumes_like_a_cold_run(llm: Any, cold: Any, prompt: list[int], cached: range) -> Any:
-    """Serve ``prompt`` from the cache (``cached``: the tokens it may hit), then again under
-    another salt (no hit: a cold speculative run). The tokens are the cold reference's; where
-    they equal the cold speculative run's, so do its draft and accepted counts (the drafter saw
-    the same inputs). The audit after both."""
-    out, drafts, accepted = _run(llm, prompt)
-    assert out.num_cached_tokens in cached
-    assert_same_up_to_near_tie(out, cold, prompt, ANSWER)
-    fresh, fresh_drafts, fresh_accepted = _run(llm, prompt, salt=f"cold-{next(SALTS)}")
-    assert fresh.num_cached_tokens == 0
+    """`speculative_resume_is_cold`, where MTP's drafts are always accepted in part."""
+    out, accepted = speculative_resume_is_cold(llm, cold, prompt, cached, f"cold-{next(SALTS)}")
     assert accepted > 0
-    if tokens(out) == tokens(fresh):
-        assert (drafts, accepted) == (fresh_drafts, fresh_accepted)
-    settle_and_audit(llm)
     return out
 
 
@@ -121,9 +97,9 @@ def test_speculative_resumes_from_a_tap_an_endpoint_and_the_host(
 ) -> None:
     cache = cache_of(speculative)
     prompt = random_prompt(seed=700, length=1500)
-    first, drafts, accepted = _run(speculative, prompt)
+    first, drafts, accepted = speculative_run(speculative, prompt)
     assert first.num_cached_tokens == 0
-    assert_same_up_to_near_tie(first, cold, prompt, ANSWER)
+    assert_same_up_to_near_tie(first, cold, prompt, SPECULATIVE_ANSWER)
     assert 0 < accepted < drafts  # drafts are accepted, and some are rolled back
     settle_and_audit(speculative)
 
@@ -133,11 +109,11 @@ def test_speculative_resumes_from_a_tap_an_endpoint_and_the_host(
     # The first turn's endpoint, where its committed tokens end: after the answer's last token
     # but one, or after the last one too when the last verification pass committed it.
     turn = prompt + tokens(first) + random_prompt(seed=701, length=100)
-    endpoint = range(len(prompt) + ANSWER - 1, len(prompt) + ANSWER + 1)
+    endpoint = range(len(prompt) + SPECULATIVE_ANSWER - 1, len(prompt) + SPECULATIVE_ANSWER + 1)
     _resumes_like_a_cold_run(speculative, cold, turn, endpoint)
 
     for other in range(702, 706):  # push the prompt's pages off the device
-        _run(speculative, random_prompt(seed=other, length=1500))
+        speculative_run(speculative, random_prompt(seed=other, length=1500))
     before = cache.admissions.hit_tokens_host
     _resumes_like_a_cold_run(speculative, cold, prompt, tap)
     assert cache.admissions.hit_tokens_host - before == 1472
@@ -183,11 +159,11 @@ def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
     from vllm_hpc.index import SnapshotKind
 
     prompt = random_prompt(seed=800, length=700)
-    out, _, _ = _run(speculative, prompt)
+    out, _, _ = speculative_run(speculative, prompt)
     _run_one_step(speculative)  # the endpoint's copy runs with the next step's
     cache = cache_of(speculative)
     ends = [s.frontier for s in cache.index.store.snapshots if s.kind is SnapshotKind.ENDPOINT]
-    frontier = max(f for f in ends if f <= len(prompt) + ANSWER)
+    frontier = max(f for f in ends if f <= len(prompt) + SPECULATIVE_ANSWER)
     assert frontier > len(prompt)
     endpoint = _snapshot_state(speculative, SnapshotKind.ENDPOINT, frontier)
     known = prompt + tokens(out)

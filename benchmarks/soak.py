@@ -279,11 +279,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tiny_model_path(), log, *extra, max_model_len=MAX_MODEL_LEN, eager=not args.graphs
     )
     with server as (base, pid):
+        startup_s = time.monotonic() - t0
         client = Client(base)
         client.complete(_tokens(random.Random(1), 100), 2)  # warm: the baseline after it
         rss_before = resident_bytes(pid)
+        t1 = time.monotonic()
         tally = run_sessions(client, args)
-        session_s = time.monotonic() - t0
+        session_s = time.monotonic() - t1
         urllib.request.urlopen(f"{base}/health", timeout=10)
         partings = check_exact(client, tally, args.exact_sample, args.seed)
         last = client.complete(_tokens(random.Random(2), LAST_PROMPT), 2)
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/soak.py", *(argv or sys.argv[1:])]),
         "mode": "torch.compile and CUDA graphs" if args.graphs else "eager",
         "device": device_name(),
+        "startup_seconds": round(startup_s, 1),
         "seconds": round(session_s, 1),
         "sessions": dict(tally.kinds),
         "answered": len(tally.answered),
@@ -338,7 +341,8 @@ def report(result: dict[str, Any]) -> str:
         f"- Command: `{result['command']}`",
         f"- Result: {'passed' if passed(result) else 'FAILED'}; sessions ran "
         f"{result['seconds']} s at concurrency {CONCURRENCY} on {result['device']} "
-        f"({result['mode']}); device pool {DEVICE_PAGES - 1} "
+        f"({result['mode']}, server start-up {result['startup_seconds']} s before them); "
+        f"device pool {DEVICE_PAGES - 1} "
         f"pages of 64 tokens, host tier {HOST_MIB} MiB; the engine audited the cache at every "
         "step",
         "",

@@ -20,7 +20,6 @@ from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind, 
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
-from vllm_hpc.runtime.records import InFlight
 
 if TYPE_CHECKING:
     from vllm_hpc.runtime.admission import Admission
@@ -193,28 +192,20 @@ class Captures:
                 self.pipeline.write_through(publication.write)
 
     def finish(
-        self,
-        lane: Lane,
-        token_ids: Sequence[int],
-        num_computed: int,
-        in_flight: InFlight | None = None,
+        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
     ) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it.
 
+        Under async scheduling an abort or a preemption can land while two steps are in flight
+        (``in_flight``): then positions ``len(token_ids)`` and later are computed by a step whose
+        input token the scheduler has not seen yet. Only the known blocks are committed, and no
+        endpoint is taken: the row's state will include tokens no key can name.
+
         With speculative decoding the last step may have committed tokens past a stop, which
         vLLM leaves out of the output (they count in ``num_computed``). Its rows keep the state
         after each token it verified, so the endpoint is taken at the last known token from the
-        row that holds the state after it (`Lane.accepted`).
-
-        Under async scheduling a decode step is in flight when a request ends (``in_flight``).
-        One step that begins at the last known token computes that token first, so once it
-        has run (the endpoint's copy goes with a later step) its first position holds the
-        state after every known token: the endpoint stands, taken from there. With MTP or GPU
-        n-gram drafts that step also verifies drafts past the end, which no key names; they
-        are beyond the endpoint. Two steps in flight (an abort or a preemption between them)
-        compute positions whose input token the scheduler never saw, starting from a state
-        the first one leaves: only the known blocks are committed, and no endpoint is taken."""
+        row that holds the state after it (`Lane.accepted`)."""
         self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)
@@ -224,12 +215,8 @@ class Captures:
         known = min(num_computed, len(token_ids))
         self.commit(lane, token_ids, known)
         surplus = num_computed - known
-        if in_flight is None:
-            if 0 < surplus < lane.accepted:
-                lane.accepted -= surplus  # the state after `known` tokens, in an earlier row
-                surplus = 0
-        elif in_flight.steps == 1 and in_flight.first_position == known - 1:
-            lane.accepted = 1  # the state after the in-flight step's first token
+        if 0 < surplus < lane.accepted and not in_flight:
+            lane.accepted -= surplus  # the state after `known` tokens, in an earlier row
             surplus = 0
         if surplus == 0 and known - lane.newest_frontier >= BLOCK_TOKENS:
             self._capture(lane, token_ids, known, SnapshotKind.ENDPOINT, after_step=False)

@@ -38,7 +38,6 @@ from vllm_hpc.options import OptionError, PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
     InfeasibleRequest,
-    InFlight,
     Lookup,
     RequestInfo,
 )
@@ -118,8 +117,6 @@ class HybridPrefixKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self.lanes: dict[str, Lane] = {}
         self._lookups: dict[str, Lookup] = {}
-        self._step_tokens: dict[str, int] = {}
-        """Tokens of each running request's newest step, drafts included."""
         self.unservable: dict[str, str] = {}
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
         the scheduler fails them."""
@@ -266,7 +263,6 @@ class HybridPrefixKVCacheManager:
         return self._blocks(pages)
 
     def _schedule(self, lane: Lane, request: Any, start: int, num_new_tokens: int) -> None:
-        self._step_tokens[request.request_id] = num_new_tokens
         # A running request's new tokens include its draft tokens (speculative decoding):
         # positions past its known tokens are no content a tap could name.
         end = min(start + num_new_tokens, request.num_tokens)
@@ -323,14 +319,13 @@ class HybridPrefixKVCacheManager:
         self._prompt_keys.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
-        step_tokens = self._step_tokens.pop(rid, 0)
         lane = self.lanes.pop(rid, None)
         if lane is not None:
             self.cache.finish(
                 lane,
                 request.all_token_ids,
                 request.num_computed_tokens,
-                in_flight_steps(request, step_tokens),
+                in_flight=request.num_output_placeholders > 0,
             )
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
@@ -393,22 +388,6 @@ def state_rows(
         raise OptionError(f"--kv-cache-manager hybrid-prefix: {error}") from error
     pages = kv_cache_config.num_blocks - 1
     return plan_rows(spans, state_spec.layer_state_bytes, num_states, pages)
-
-
-def in_flight_steps(request: Any, step_tokens: int) -> InFlight | None:
-    """The decode steps still in flight for an ending request under async scheduling.
-
-    vLLM's async scheduler counts the tokens of steps scheduled but not yet seen as output
-    placeholders (a step's: one sampled token and its drafts) and has already moved
-    ``num_computed_tokens`` past them. More placeholders than the newest step's tokens mean
-    an earlier step is in flight too."""
-    placeholders = request.num_output_placeholders
-    if placeholders <= 0:
-        return None
-    return InFlight(
-        steps=1 if placeholders <= step_tokens else 2,
-        first_position=request.num_computed_tokens - placeholders,
-    )
 
 
 def request_info(request: Any, keys: PromptKeys) -> RequestInfo:

@@ -42,6 +42,16 @@ SERVER_PAGES = 4096
 model's KV when no request runs (a running request's state takes a row of 25 of them)."""
 SERVER_HOST_MIB = 256
 """Host tier of a server whose options do not size it: 8,192 slabs of the tiny model's blocks."""
+SHARED_GPU_ENV = "VLLM_HPC_TEST_KV_CACHE_GIB"
+"""Set on a CUDA machine to run several test processes on one GPU at once: every test engine and
+server then gets that fixed KV budget (``kv_cache_memory_bytes``, no memory profiling that a
+neighbour could skew) and asks vLLM for only 5% of the device at start-up."""
+
+
+def shared_gpu_kv_bytes() -> int | None:
+    """The fixed KV budget of each engine under `SHARED_GPU_ENV`, or None when unset."""
+    gib = os.environ.get(SHARED_GPU_ENV)
+    return int(float(gib) * 2**30) if gib else None
 
 
 @contextmanager
@@ -60,6 +70,9 @@ def running_server(
         extra = (*extra, "--num-gpu-blocks-override", str(SERVER_PAGES))
     if "--host-cache-mib" not in extra:
         extra = (*extra, "--host-cache-mib", str(SERVER_HOST_MIB))
+    shared = shared_gpu_kv_bytes()
+    if shared is not None:  # last, so that they win over a test's own memory share
+        extra = (*extra, "--kv-cache-memory-bytes", str(shared), "--gpu-memory-utilization", "0.05")
     command = [
         sys.executable,
         "-m",

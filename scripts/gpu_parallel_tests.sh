@@ -7,7 +7,7 @@
 # Arguments: a time limit in seconds for every group, a log directory, then one quoted group
 # each. Each group logs to LOGDIR/group<N>.log; the script exits non-zero if any group failed.
 # Every test engine gets a fixed 2 GiB KV budget (VLLM_HPC_TEST_KV_CACHE_GIB, see
-# tests/engine_support.py), so the processes' memory profiling does not see each other.
+# benchmarks/openai_server.py), so the processes' memory profiling does not see each other.
 set -uo pipefail
 LIMIT=$1
 LOGDIR=$2
@@ -21,7 +21,7 @@ n=0
 for group in "$@"; do
   n=$((n + 1))
   # shellcheck disable=SC2086  # a group is a space-separated list of node ids
-  timeout "$LIMIT" python3 -m pytest -x --tb=short -s -p no:cacheprovider -o addopts="" \
+  timeout "$LIMIT" python3 -m pytest --tb=short -s -p no:cacheprovider -o addopts="" \
     $group > "$LOGDIR/group$n.log" 2>&1 &
   pids+=($!)
 done

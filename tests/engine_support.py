@@ -17,10 +17,6 @@ HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
 """Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
 ``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
-SHARED_GPU_ENV = "VLLM_HPC_TEST_KV_CACHE_GIB"
-"""Set on a CUDA machine to run several test processes on one GPU at once: every test engine
-then gets that fixed KV budget (``kv_cache_memory_bytes``, no memory profiling that a neighbour
-could skew) and asks vLLM for only 5% of the device at start-up."""
 
 
 @contextmanager
@@ -35,6 +31,7 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
     later engine) and the worker's KV-connector agent (a later in-process engine would bind to
     the previous one's). Seen on CUDA, where the V2 runner then asserts.
     """
+    from openai_server import shared_gpu_kv_bytes  # imports vLLM, as this function does
     from vllm import LLM, envs
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -45,9 +42,9 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
             **overrides.get("additional_config", {}),
             "gdn_prefill_backend": backend,
         }
-    shared_gib = os.environ.get(SHARED_GPU_ENV)
-    if shared_gib:
-        overrides.setdefault("kv_cache_memory_bytes", int(float(shared_gib) * 2**30))
+    shared = shared_gpu_kv_bytes()
+    if shared is not None:
+        overrides.setdefault("kv_cache_memory_bytes", shared)
         overrides.setdefault("gpu_memory_utilization", 0.05)
     envs.disable_envs_cache()
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -259,7 +256,7 @@ def speculative_resume_is_cold(
     and accepted counts (the drafter saw the same inputs). The audit after both. Returns the
     resumed output and its accepted draft tokens."""
     out, drafts, accepted = speculative_run(llm, prompt)
-    assert out.num_cached_tokens in cached
+    assert out.num_cached_tokens in cached, (out.num_cached_tokens, cached)
     assert_same_up_to_near_tie(out, cold, prompt, SPECULATIVE_ANSWER)
     fresh, fresh_drafts, fresh_accepted = speculative_run(llm, prompt, salt=salt)
     assert fresh.num_cached_tokens == 0

@@ -12,13 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from engine_support import random_prompt
 from openai_server import greedy_body, metrics, model_id, post, running_server, sample
 
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(
-        len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores, one per engine core"
+        torch.cuda.is_available() and torch.cuda.device_count() < 2,
+        reason="needs two GPUs, one per engine core",
+    ),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and len(os.sched_getaffinity(0)) < 2,
+        reason="needs two CPU cores, one per engine core",
     ),
 ]
 

@@ -104,7 +104,7 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
     for round_ in range(6):
         session = [*preamble, *random_prompt(seed=40 + round_, length=200)]
         out = greedy(hosted, [session], ANSWER)[0]
-        assert out.num_cached_tokens >= 1024
+        assert out.num_cached_tokens >= 1024, (round_, out.num_cached_tokens, _held_at(cache, 1024))
         assert_same_up_to_near_tie(out, cold, session, ANSWER)
         push_off_device(hosted, seed=200 + 10 * round_, count=2)
     assert (
@@ -113,6 +113,17 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
     )
     newest = random_prompt(seed=200 + 10 * 5 + 1, length=1500)
     assert greedy(hosted, [newest], ANSWER)[0].num_cached_tokens >= 1472
+
+
+def _held_at(cache: Any, frontier: int) -> tuple[list[tuple[str, Any, str]], Any]:
+    """For a failure's message: each snapshot the index holds at ``frontier`` (its kind, device
+    slot and host residency), and the index's counters."""
+    held = [
+        (s.kind.name, s.slot, s.image_host.name)
+        for s in cache.index.store.snapshots
+        if s.frontier == frontier
+    ]
+    return held, cache.index.stats
 
 
 def test_cancelled_while_restoring(hosted: Any, cold: Any) -> None:

@@ -177,8 +177,8 @@ def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
         references[at] = _snapshot_state(speculative, SnapshotKind.BOUNDARY, at)
     near = _distance(endpoint, references[frontier])
     far = _distance(endpoint, references[frontier - 1])
-    assert near < 0.05
-    assert far > 5 * near
+    assert near < 0.05, (frontier, near, far)
+    assert far > 5 * near, (frontier, near, far)
     settle_and_audit(speculative)
 
 

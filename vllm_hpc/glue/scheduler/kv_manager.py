@@ -117,6 +117,10 @@ class HybridPrefixKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self.lanes: dict[str, Lane] = {}
         self._lookups: dict[str, Lookup] = {}
+        self._steps_in_flight: dict[str, set[int]] = {}
+        """Per admitted request, the steps (ids of vLLM's `SchedulerOutput`) scheduled with it
+        whose output vLLM has not handed back yet: under async scheduling a request can end
+        with one."""
         self.unservable: dict[str, str] = {}
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
         the scheduler fails them."""
@@ -295,9 +299,20 @@ class HybridPrefixKVCacheManager:
 
     # -- after steps ------------------------------------------------------------------------
 
+    def steps_scheduled(self, scheduler_output: Any) -> None:
+        """vLLM scheduled a step: its admitted requests have it in flight until `steps_done`."""
+        step = id(scheduler_output)
+        for rid in scheduler_output.num_scheduled_tokens:
+            if rid in self.lanes:
+                self._steps_in_flight.setdefault(rid, set()).add(step)
+
     def steps_done(self, scheduler_output: Any, model_runner_output: Any) -> None:
-        """How many tokens each request's step committed, before vLLM acts on it (it may
-        finish a request, whose endpoint then copies the state after them: `Lane.accepted`)."""
+        """A step's output, before vLLM acts on it (it may finish a request): the step is no
+        longer in flight, and how many tokens each request's step committed (its endpoint then
+        copies the state after them: `Lane.accepted`)."""
+        step = id(scheduler_output)
+        for rid in scheduler_output.num_scheduled_tokens:
+            self._steps_in_flight.get(rid, set()).discard(step)
         if self.cache.config.lane_rows == 1:  # no speculative decoding
             return
         sampled = model_runner_output.sampled_token_ids
@@ -319,14 +334,12 @@ class HybridPrefixKVCacheManager:
         self._prompt_keys.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
+        # Not vLLM's output placeholders: they also count a last step's tokens vLLM cut off
+        # at max_tokens, which ran (a speculative step that overshot), with no step in flight.
+        in_flight = bool(self._steps_in_flight.pop(rid, None))
         lane = self.lanes.pop(rid, None)
         if lane is not None:
-            self.cache.finish(
-                lane,
-                request.all_token_ids,
-                request.num_computed_tokens,
-                in_flight=request.num_output_placeholders > 0,
-            )
+            self.cache.finish(lane, request.all_token_ids, request.num_computed_tokens, in_flight)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []

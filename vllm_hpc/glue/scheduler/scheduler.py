@@ -113,6 +113,11 @@ class _HybridPrefixMixin:
     def _free_cow_retained_blocks(self, blocks: list[Any], fence_seq: int) -> None:
         """The cache retains no vLLM blocks for its page copies: nothing to release."""
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.kv_cache_manager.steps_scheduled(output)
+        return output
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.kv_cache_manager.steps_done(scheduler_output, model_runner_output)
         outputs = super().update_from_output(  # type: ignore[misc]

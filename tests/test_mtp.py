@@ -179,33 +179,59 @@ def _distance(a: list[Any], b: list[Any]) -> float:
 
 
 def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
-    """The endpoint of a request whose last verification pass accepted drafts holds the state
-    after its committed tokens, gathered from the rows vLLM's kernel left it in: close to what
-    a cold prefill of the same tokens leaves, far from the state one token earlier."""
-    from vllm_hpc.index import SnapshotKind
-
+    """The endpoint of a request whose last verification pass accepted drafts (and, here,
+    committed a token past max_tokens) holds the state after its committed tokens, gathered
+    from the rows vLLM's kernel left it in."""
     prompt = random_prompt(seed=800, length=700)
     out, _, _ = speculative_run(speculative, prompt)
-    _run_one_step(speculative)  # the endpoint's copy runs with the next step's
-    cache = cache_of(speculative)
+    _assert_endpoint_state(speculative, prompt + tokens(out))
+
+
+def test_an_endpoint_after_a_stop_token_holds_the_state_a_prefill_leaves(
+    speculative: Any,
+) -> None:
+    """A request ended by a stop token, which vLLM cannot foresee: under async scheduling its
+    next step is in flight then, and the endpoint is taken from that step's first row (the
+    state after the last known token) once it has run."""
+    prompt = random_prompt(seed=810, length=650)
+    answer = tokens(speculative_run(speculative, prompt, salt=f"stop-{next(SALTS)}")[0])
+    # Far enough past the prompt's tail tap (640) for an endpoint (64 tokens, §7.7).
+    at = next(i for i in range(60, len(answer)) if answer[i] not in answer[:i])
+    params = greedy_params(SPECULATIVE_ANSWER)
+    params.stop_token_ids = [answer[at]]
+    out = speculative.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert tokens(out) == answer[: at + 1]
+    frontier = _assert_endpoint_state(speculative, prompt + tokens(out))
+    if speculative.llm_engine.vllm_config.scheduler_config.async_scheduling:
+        assert frontier == len(prompt) + at + 1  # taken after the step in flight ran
+
+
+def _assert_endpoint_state(llm: Any, known: list[int]) -> int:
+    """The newest endpoint at most ``len(known)`` tokens in, past the prompt's own snapshots,
+    holds close to what a cold prefill of the same tokens leaves and far from the state one
+    token earlier; the audit after. Returns its frontier."""
+    from vllm_hpc.index import SnapshotKind
+
+    _run_one_step(llm)  # the endpoint's copy runs with the next step's
+    cache = cache_of(llm)
     ends = [s.frontier for s in cache.index.store.snapshots if s.kind is SnapshotKind.ENDPOINT]
-    frontier = max(f for f in ends if f <= len(prompt) + SPECULATIVE_ANSWER)
-    assert frontier > len(prompt)
-    endpoint = _snapshot_state(speculative, SnapshotKind.ENDPOINT, frontier)
-    known = prompt + tokens(out)
+    frontier = max(f for f in ends if f <= len(known))
+    assert frontier >= len(known) - 1, (frontier, len(known))
+    endpoint = _snapshot_state(llm, SnapshotKind.ENDPOINT, frontier)
     references = {}
     for at in (frontier, frontier - 1):
         # One token past the frontier, so that a tap may lie there (any token: the state at
         # the frontier does not depend on it).
         request = {"prompt_token_ids": [*known[:frontier], 0], "cache_salt": f"at-{next(SALTS)}"}
-        speculative.generate([request], greedy_params(1, breakpoints=[at]), use_tqdm=False)
-        _run_one_step(speculative)  # a finished request's captures publish at the next step
-        references[at] = _snapshot_state(speculative, SnapshotKind.BOUNDARY, at)
+        llm.generate([request], greedy_params(1, breakpoints=[at]), use_tqdm=False)
+        _run_one_step(llm)  # a finished request's captures publish at the next step
+        references[at] = _snapshot_state(llm, SnapshotKind.BOUNDARY, at)
     near = _distance(endpoint, references[frontier])
     far = _distance(endpoint, references[frontier - 1])
     assert near < 0.05, (frontier, near, far)
     assert far > 5 * near, (frontier, near, far)
-    settle_and_audit(speculative)
+    settle_and_audit(llm)
+    return frontier
 
 
 def _run_one_step(llm: Any) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_hpc.index import HostGeometry, IndexConfig, MediaItem, TapPolicy
-from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.cache import HybridPrefixCache, InFlight, RequestInfo, RuntimeConfig
 from vllm_hpc.runtime.plan import StepPlan
 
 CHUNK = 1024
@@ -28,6 +28,7 @@ def make_cache(
     active_slots: int = 4,
     snapshot_slots: int = 24,
     max_new_taps: int = 16,
+    lane_rows: int = 1,
 ) -> HybridPrefixCache:
     policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
     policy = TapPolicy(
@@ -38,9 +39,10 @@ def make_cache(
         dense_flexible=dense,
     )
     """A cache of ``pages`` KV pages beside the rows of its scratch, ``active_slots`` running
-    requests and ``snapshot_slots`` snapshots (states share the page space)."""
+    requests (``lane_rows`` rows each: 1 + K with K speculative tokens) and ``snapshot_slots``
+    snapshots (states share the page space)."""
     index = IndexConfig(
-        device_pages=pages + (1 + active_slots + snapshot_slots) * ROW_PAGES,
+        device_pages=pages + (1 + active_slots * lane_rows + snapshot_slots) * ROW_PAGES,
         geometry=HostGeometry(1024, 4096),
         snapshot_slots=snapshot_slots,
         first_page_id=1,
@@ -53,6 +55,7 @@ def make_cache(
             tap_policy=policy,
             chunk_tokens=CHUNK,
             in_pass_taps=in_pass,
+            lane_rows=lane_rows,
         )
     )
 
@@ -81,10 +84,12 @@ def run(
     salt: str | None = None,
     budget: int = CHUNK,
     in_flight: int = 0,
+    drafts: int = 0,
 ) -> Run:
     """Prefill ``tokens`` in chunks of at most ``budget`` tokens, decode ``answer`` one token a
-    step, finish, and audit. ``in_flight`` more decode steps are scheduled before the finish
-    and never report a token, as when async scheduling aborts a request with steps in flight."""
+    step, finish, and audit. ``in_flight`` more decode steps, of one token and ``drafts``
+    draft tokens each, are scheduled before the finish and never report a token, as under
+    async scheduling (vLLM schedules the next step before it sees the last one's output)."""
     all_tokens = list(tokens)
     n = len(all_tokens)
 
@@ -115,13 +120,15 @@ def run(
         cache.commit(lane, all_tokens, start)
         cache.new_step()
     assert lane is not None
+    first_in_flight = start
     for _ in range(in_flight):
-        assert cache.grow(lane, start + 1) is not None, "no room to grow"
-        cache.on_scheduled(lane, all_tokens, start, start + 1)
+        assert cache.grow(lane, start + 1 + drafts) is not None, "no room to grow"
+        cache.on_scheduled(lane, all_tokens, start, min(start + 1 + drafts, len(all_tokens)))
         result.plans.append(cache.take_plan())
-        start += 1
+        start += 1 + drafts
         cache.new_step()
-    cache.finish(lane, all_tokens, start)
+    steps = InFlight(min(in_flight, 2), first_in_flight) if in_flight else None
+    cache.finish(lane, all_tokens, start, steps)
     cache.new_step()
     cache.take_plan()
     cache.new_step()

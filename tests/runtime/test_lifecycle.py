@@ -140,6 +140,20 @@ def test_a_request_ended_with_steps_in_flight_keeps_only_what_its_tokens_name() 
         assert after.frontier <= len(known)
 
 
+def test_a_speculative_request_ended_with_a_step_in_flight_keeps_its_endpoint() -> None:
+    """Async scheduling with MTP or GPU n-gram drafts: the step in flight begins at the last
+    known token and verifies drafts past the end. Its first position holds the state after
+    every known token, so the endpoint stands there. With two steps in flight there is none."""
+    tokens, answer = prompt(300, seed=24), prompt(100, seed=25)
+    known = [*tokens, *answer]
+    for in_flight, resumed_at_end in ((1, True), (2, False)):
+        cache = make_cache(lane_rows=3)
+        run(cache, tokens, answer, in_flight=in_flight, drafts=2)
+        after = run(cache, [*known, *prompt(40, seed=26)], request_id="next")
+        assert (after.frontier == len(known)) is resumed_at_end
+        assert after.frontier <= len(known)
+
+
 def test_an_admission_leaves_the_running_requests_room_to_decode() -> None:
     """A running request may still take its decode reserve (256 tokens, 4 pages here): a new
     request that fits only by taking that room waits until the first finishes; one that leaves

@@ -38,7 +38,13 @@ from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import HostWrite, StepPlan
-from vllm_hpc.runtime.records import InfeasibleRequest, Lookup, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.records import (
+    InfeasibleRequest,
+    InFlight,
+    Lookup,
+    RequestInfo,
+    RuntimeConfig,
+)
 from vllm_hpc.runtime.telemetry import (
     ADMISSION,
     AUDIT,
@@ -51,7 +57,14 @@ from vllm_hpc.runtime.telemetry import (
     HostCounters,
 )
 
-__all__ = ["HybridPrefixCache", "InfeasibleRequest", "Lookup", "RequestInfo", "RuntimeConfig"]
+__all__ = [
+    "HybridPrefixCache",
+    "InFlight",
+    "InfeasibleRequest",
+    "Lookup",
+    "RequestInfo",
+    "RuntimeConfig",
+]
 
 
 class HybridPrefixCache:
@@ -138,7 +151,11 @@ class HybridPrefixCache:
         self.captures.commit(lane, token_ids, num_computed)
 
     def finish(
-        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
+        self,
+        lane: Lane,
+        token_ids: Sequence[int],
+        num_computed: int,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.captures.finish(lane, token_ids, num_computed, in_flight)
 

@@ -20,6 +20,7 @@ from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind, 
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
+from vllm_hpc.runtime.records import InFlight
 
 if TYPE_CHECKING:
     from vllm_hpc.runtime.admission import Admission
@@ -192,23 +193,28 @@ class Captures:
                 self.pipeline.write_through(publication.write)
 
     def finish(
-        self, lane: Lane, token_ids: Sequence[int], num_computed: int, in_flight: bool = False
+        self,
+        lane: Lane,
+        token_ids: Sequence[int],
+        num_computed: int,
+        in_flight: InFlight | None = None,
     ) -> None:
         """The request ended (finished, aborted or preempted) after ``num_computed`` tokens:
         commit its blocks, capture its endpoint (§7.7) and release it.
 
-        Under async scheduling a request usually ends with a step in flight (``in_flight``). A
-        step of one token computes the last known token, so ``num_computed`` is the known
-        tokens and the endpoint stands: its copy runs with a later step. A step with draft
-        tokens, or a second step (an abort or a preemption between them), computes positions
-        past the known tokens, which no key names: only the known blocks are committed, and no
-        endpoint is taken.
-
         With speculative decoding the last step may have committed tokens past a stop, which
         vLLM leaves out of the output (they count in ``num_computed``). Its rows keep the state
         after each token it verified, so the endpoint is taken at the last known token from the
-        row that holds the state after it (`Lane.accepted`), unless a step in flight will
-        overwrite those rows."""
+        row that holds the state after it (`Lane.accepted`).
+
+        Under async scheduling a request often ends with a step in flight (``in_flight``): vLLM
+        scheduled it before it saw the output that ended the request. One step that begins at
+        the last known token computes that token first, so once it has run (the endpoint's copy
+        goes with a later step) its first row holds the state after every known token, and the
+        endpoint is taken from there; its drafts, if any, lie past the endpoint. A step that
+        begins later (the last one committed tokens past a stop), or a second step (an abort or
+        a preemption between them), overwrites the rows that held it: only the known blocks are
+        committed, and no endpoint is taken."""
         self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)
@@ -218,8 +224,12 @@ class Captures:
         known = min(num_computed, len(token_ids))
         self.commit(lane, token_ids, known)
         surplus = num_computed - known
-        if 0 < surplus < lane.accepted and not in_flight:
-            lane.accepted -= surplus  # the state after `known` tokens, in an earlier row
+        if in_flight is None:
+            if 0 < surplus < lane.accepted:
+                lane.accepted -= surplus  # the state after `known` tokens, in an earlier row
+                surplus = 0
+        elif in_flight.steps == 1 and in_flight.first_position == known - 1:
+            lane.accepted = 1  # the state after the in-flight step's first token
             surplus = 0
         if surplus == 0 and known - lane.newest_frontier >= BLOCK_TOKENS:
             self._capture(lane, token_ids, known, SnapshotKind.ENDPOINT, after_step=False)

@@ -1,5 +1,5 @@
 """The records the runtime exchanges with its caller: its configuration, what it needs of a
-request, and a waiting request's lookup."""
+request, a waiting request's lookup, and the steps still in flight when a request ends."""
 
 from __future__ import annotations
 
@@ -16,6 +16,17 @@ from vllm_hpc.index import (
     TapPolicy,
 )
 from vllm_hpc.runtime.lane import Lane
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Decode steps vLLM scheduled for a request whose output it had not seen when the
+    request ended (async scheduling: the next step is scheduled before the last one's output)."""
+
+    steps: int
+    """1, or 2 for two or more."""
+    first_position: int
+    """Where the earliest of them begins: the position of the first token it computes."""
 
 
 class InfeasibleRequest(ValueError):

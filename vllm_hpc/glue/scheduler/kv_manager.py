@@ -38,6 +38,7 @@ from vllm_hpc.options import OptionError, PluginOptions
 from vllm_hpc.runtime.cache import (
     HybridPrefixCache,
     InfeasibleRequest,
+    InFlight,
     Lookup,
     RequestInfo,
 )
@@ -117,10 +118,10 @@ class HybridPrefixKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self.lanes: dict[str, Lane] = {}
         self._lookups: dict[str, Lookup] = {}
-        self._steps_in_flight: dict[str, set[int]] = {}
-        """Per admitted request, the steps (ids of vLLM's `SchedulerOutput`) scheduled with it
-        whose output vLLM has not handed back yet: under async scheduling a request can end
-        with one."""
+        self._steps_in_flight: dict[str, dict[int, int]] = {}
+        """Per admitted request, the steps scheduled with it whose output vLLM has not handed
+        back yet (by the id of vLLM's `SchedulerOutput`), with the tokens each holds for it,
+        drafts included: under async scheduling a request can end with one."""
         self.unservable: dict[str, str] = {}
         """Requests the cache can never serve (too long for the pool, resumable), with the reason:
         the scheduler fails them."""
@@ -302,9 +303,9 @@ class HybridPrefixKVCacheManager:
     def steps_scheduled(self, scheduler_output: Any) -> None:
         """vLLM scheduled a step: its admitted requests have it in flight until `steps_done`."""
         step = id(scheduler_output)
-        for rid in scheduler_output.num_scheduled_tokens:
+        for rid, tokens in scheduler_output.num_scheduled_tokens.items():
             if rid in self.lanes:
-                self._steps_in_flight.setdefault(rid, set()).add(step)
+                self._steps_in_flight.setdefault(rid, {})[step] = tokens
 
     def steps_done(self, scheduler_output: Any, model_runner_output: Any) -> None:
         """A step's output, before vLLM acts on it (it may finish a request): the step is no
@@ -312,7 +313,7 @@ class HybridPrefixKVCacheManager:
         copies the state after them: `Lane.accepted`)."""
         step = id(scheduler_output)
         for rid in scheduler_output.num_scheduled_tokens:
-            self._steps_in_flight.get(rid, set()).discard(step)
+            self._steps_in_flight.get(rid, {}).pop(step, None)
         if self.cache.config.lane_rows == 1:  # no speculative decoding
             return
         sampled = model_runner_output.sampled_token_ids
@@ -334,12 +335,15 @@ class HybridPrefixKVCacheManager:
         self._prompt_keys.pop(rid, None)
         self.unservable.pop(rid, None)
         self.cache.forget(rid)
-        # Not vLLM's output placeholders: they also count a last step's tokens vLLM cut off
-        # at max_tokens, which ran (a speculative step that overshot), with no step in flight.
-        in_flight = bool(self._steps_in_flight.pop(rid, None))
+        steps = self._steps_in_flight.pop(rid, {})
         lane = self.lanes.pop(rid, None)
         if lane is not None:
-            self.cache.finish(lane, request.all_token_ids, request.num_computed_tokens, in_flight)
+            self.cache.finish(
+                lane,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                in_flight_steps(request.num_computed_tokens, list(steps.values())),
+            )
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []
@@ -401,6 +405,18 @@ def state_rows(
         raise OptionError(f"--kv-cache-manager hybrid-prefix: {error}") from error
     pages = kv_cache_config.num_blocks - 1
     return plan_rows(spans, state_spec.layer_state_bytes, num_states, pages)
+
+
+def in_flight_steps(num_computed: int, step_tokens: list[int]) -> InFlight | None:
+    """The steps still in flight for an ending request, from the tokens each holds for it.
+
+    vLLM has already moved ``num_computed_tokens`` past them (and back over the drafts its
+    outputs rejected), so the earliest begins where their tokens end. Not vLLM's output
+    placeholders: they also count tokens a last speculative step computed past max_tokens,
+    which ran, with no step in flight."""
+    if not step_tokens:
+        return None
+    return InFlight(steps=len(step_tokens), first_position=num_computed - sum(step_tokens))
 
 
 def request_info(request: Any, keys: PromptKeys) -> RequestInfo:

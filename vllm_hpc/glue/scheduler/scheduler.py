@@ -114,6 +114,7 @@ class _HybridPrefixMixin:
         """The cache retains no vLLM blocks for its page copies: nothing to release."""
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step, recorded as in flight for its requests until its output (§7.7)."""
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.kv_cache_manager.steps_scheduled(output)
         return output

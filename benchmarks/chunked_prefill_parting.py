@@ -34,17 +34,15 @@ RUNS = {
 REFERENCE = "native, one chunk"
 
 
-def model_path(variant: str) -> str:
-    """The tiny model of ``variant`` (a quantization method, "-moe" for the MoE model)."""
-    from vllm_hpc.tiny_model import DEFAULT_RECIPE, MOE_RECIPE, tiny_quantized_path
-
-    method, *rest = variant.split("-")
-    return str(tiny_quantized_path(method, MOE_RECIPE if "moe" in rest else DEFAULT_RECIPE))
-
-
 def one_run(variant: str, manager: str, chunk: int, out: Path) -> None:
     """One engine, one request: its tokens and top-2 logprobs, as JSON in ``out``."""
-    from engine_support import RESUME_PATHS, greedy_params, random_prompt, running_llm
+    from engine_support import (
+        RESUME_PATHS,
+        greedy_params,
+        quantized_model,
+        random_prompt,
+        running_llm,
+    )
 
     engine: dict[str, Any] = {"max_model_len": 2048, "max_num_batched_tokens": chunk}
     if manager == "native":
@@ -52,7 +50,7 @@ def one_run(variant: str, manager: str, chunk: int, out: Path) -> None:
     else:
         engine["additional_config"] = RESUME_PATHS
     prompt = random_prompt(seed=PROMPT_SEED, length=PROMPT_TOKENS)
-    with running_llm(model=model_path(variant), **engine) as llm:
+    with running_llm(model=quantized_model(variant), **engine) as llm:
         params = greedy_params(ANSWER, logprobs=2)
         answer = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     result = answer.outputs[0]

@@ -10,10 +10,14 @@ from typing import Any
 
 from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.runtime.cache import HybridPrefixCache
-from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
+from vllm_hpc.tiny_model import DEFAULT_RECIPE, MOE_RECIPE, llm_kwargs, tiny_quantized_path
 
 HYBRID = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0}
 """Device tier only: the tests of the device tier keep the host tier out of the picture."""
+BF16_STATE = {"mamba_ssm_cache_dtype": "bfloat16"}
+"""The recurrent state cached in bfloat16 (vLLM's own option). The GDN kernel's per-chunk
+states are in the activations' dtype, so taps are saved inside a pass only where the state is
+cached in it too; the tiny model's checkpoint asks for float32."""
 GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
 """Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
 ``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
@@ -127,6 +131,13 @@ RESUME_PATHS = {
     "cache_taps_per_request": 4,
 }
 """A small pool with a host tier: what `resume_from_a_tap_an_endpoint_and_the_host` needs."""
+
+
+def quantized_model(variant: str) -> str:
+    """The tiny model quantized as ``variant`` names it: a method ("gptq", "awq", "fp8"),
+    "-moe" for the tiny MoE model; other suffixes ("-compiled") name no weights."""
+    method, *rest = variant.split("-")
+    return str(tiny_quantized_path(method, MOE_RECIPE if "moe" in rest else DEFAULT_RECIPE))
 
 
 def cold_reference(**overrides: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from engine_support import (
+    BF16_STATE,
     ROW_PAGES,
     assert_same_up_to_near_tie,
     cache_of,
@@ -36,7 +37,6 @@ pytestmark = pytest.mark.engine
 
 HOST_MIB = 32  # 1,024 slabs of 32 KiB; a 1,500-token conversation takes about 100
 ANSWER = 32
-BF16_STATE = {"mamba_ssm_cache_dtype": "bfloat16"}
 BF16_ROW_PAGES = 13
 """Pages of a state row with the recurrent state in bfloat16 (against `ROW_PAGES`)."""
 STATES = [

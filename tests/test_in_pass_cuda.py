@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from engine_support import (
+    BF16_STATE,
     HYBRID,
     assert_same_up_to_near_tie,
     cache_of,
@@ -34,16 +35,12 @@ CHUNK = 4096
 """Prefill chunk: dense flexible taps then fall every 2048 tokens, inside chunks too."""
 TAP = 640
 """A client breakpoint on a block boundary, inside a prefill chunk."""
-STATE_DTYPE = {"mamba_ssm_cache_dtype": "bfloat16"}
-"""The kernel's per-chunk states are in the activations' dtype, so taps are saved inside a pass
-only where the recurrent state is cached in it too; the tiny model's checkpoint asks for float32,
-and a user chooses bfloat16 with vLLM's own option (both engines of this module do)."""
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Any) -> Iterator[Any]:
     with running_llm(
-        in_process=True, additional_config=HYBRID, max_num_batched_tokens=CHUNK, **STATE_DTYPE
+        in_process=True, additional_config=HYBRID, max_num_batched_tokens=CHUNK, **BF16_STATE
     ) as engine:
         yield engine
 
@@ -51,7 +48,7 @@ def llm(tiny_model_dir: Any) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir: Any) -> Iterator[Any]:
     """The module's own reference: its prompts need the tiny model's full 8192-token context."""
-    with cold_reference(**STATE_DTYPE) as engine:
+    with cold_reference(**BF16_STATE) as engine:
         yield engine
 
 

@@ -20,11 +20,10 @@ import torch
 from engine_support import (
     RESUME_PATHS,
     cold_reference,
+    quantized_model,
     resume_from_a_tap_an_endpoint_and_the_host,
     small_pool_llm,
 )
-
-from vllm_hpc.tiny_model import DEFAULT_RECIPE, MOE_RECIPE, tiny_quantized_path
 
 pytestmark = pytest.mark.engine
 
@@ -86,24 +85,23 @@ def variant(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _model(variant: str) -> str:
-    method, *rest = variant.split("-")
-    return str(tiny_quantized_path(method, MOE_RECIPE if "moe" in rest else DEFAULT_RECIPE))
-
-
 @pytest.fixture(scope="module")
 def quantized_cold(variant: str) -> Iterator[Any]:
     """Compiled like the engine it checks: on the H200 an eager FP8 reference parted from the
     compiled engine's first, uncached answer (margin 0.625, vLLM's fused FP8 quantization)."""
     eager = not variant.endswith("-compiled")
-    with cold_reference(model=_model(variant), max_model_len=2048, enforce_eager=eager) as llm:
+    with cold_reference(
+        model=quantized_model(variant), max_model_len=2048, enforce_eager=eager
+    ) as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
 def quantized(variant: str) -> Iterator[Any]:
     compiled = variant.endswith("-compiled")
-    with small_pool_llm(RESUME_PATHS, model=_model(variant), enforce_eager=not compiled) as llm:
+    with small_pool_llm(
+        RESUME_PATHS, model=quantized_model(variant), enforce_eager=not compiled
+    ) as llm:
         config = llm.llm_engine.vllm_config
         assert config.model_config.quantization == RESOLVED[variant.split("-")[0]]
         assert config.model_config.enforce_eager is not compiled

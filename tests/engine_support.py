@@ -101,6 +101,8 @@ def pages_with_states(
 
 SMALL_POOL_PAGES = pages_with_states(60, snapshot_rows=3)
 """Pages of the small-pool engines: 59 KV pages (3,776 tokens) when no request runs."""
+SMALL_POOL_CHUNK = 512
+"""The small-pool engines' prefill chunk (``max_num_batched_tokens``)."""
 
 
 def small_pool_llm(
@@ -120,7 +122,7 @@ def small_pool_llm(
         **{"max_model_len": 2048, **engine},
         num_gpu_blocks_override=pages_with_states(60, 3, row_pages, running_rows),
         max_num_seqs=4,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=SMALL_POOL_CHUNK,
     )
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from engine_support import (
     RESUME_PATHS,
+    SMALL_POOL_CHUNK,
     cold_reference,
     quantized_model,
     resume_from_a_tap_an_endpoint_and_the_host,
@@ -87,11 +88,17 @@ def variant(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def quantized_cold(variant: str) -> Iterator[Any]:
-    """Compiled like the engine it checks: on the H200 an eager FP8 reference parted from the
-    compiled engine's first, uncached answer (margin 0.625, vLLM's fused FP8 quantization)."""
+    """Compiled and chunked like the engine it checks. On the H200 an eager FP8 reference
+    parted from the compiled engine's first, uncached answer (margin 0.625, vLLM's fused FP8
+    quantization), and vLLM's own AWQ-MoE answer changes when its prefill is cut into the
+    engine's 512-token chunks (token 19, margin 1.0:
+    `benchmarks/results/chunked_prefill_parting_awq-moe.md`)."""
     eager = not variant.endswith("-compiled")
     with cold_reference(
-        model=quantized_model(variant), max_model_len=2048, enforce_eager=eager
+        model=quantized_model(variant),
+        max_model_len=2048,
+        enforce_eager=eager,
+        max_num_batched_tokens=SMALL_POOL_CHUNK,
     ) as llm:
         yield llm
 

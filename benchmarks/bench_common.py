@@ -110,6 +110,12 @@ def gpu_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_load_format_option(parser: argparse.ArgumentParser) -> None:
+    """``--load-format``: dummy weights (speed on a config alone), or 'auto' for a model with
+    weights of its own (the tiny models: exactness, and drafts an MTP layer gets accepted)."""
+    parser.add_argument("--load-format", default="dummy", help="GPU: dummy weights unless 'auto'")
+
+
 def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
     help_text = f"{scope}enforce_eager (default: vLLM's graphs)"

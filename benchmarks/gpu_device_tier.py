@@ -22,6 +22,7 @@ from typing import Any
 
 from bench_common import (
     add_eager_option,
+    add_load_format_option,
     gpu_engine_kwargs,
     gpu_parser,
     publish,
@@ -198,7 +199,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--prefill-len", type=int, default=16000)
     ap.add_argument("--reuse", help="JSON of an earlier run whose cold engine results to keep")
-    ap.add_argument("--load-format", default="dummy", help="auto: the model's own weights")
+    add_load_format_option(ap)
     ap.add_argument("--scenarios-only", action="store_true", help="no speed measurements")
     add_eager_option(ap)
     args = ap.parse_args()

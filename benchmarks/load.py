@@ -62,6 +62,7 @@ from typing import Any
 
 from bench_common import (
     add_eager_option,
+    add_load_format_option,
     cpu_machine,
     gpu_engine_kwargs,
     random_prompt,
@@ -904,7 +905,7 @@ def build_parser() -> argparse.ArgumentParser:
         cpu = PROFILES["cpu"][key]
         sizes.add_argument("--" + key.replace("_", "-"), type=kind, help=f"{value}; CPU {cpu}")
     ap.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
-    ap.add_argument("--load-format", default="dummy", help="GPU: dummy weights unless 'auto'")
+    add_load_format_option(ap)
     add_eager_option(ap, scope="GPU: ")
     ap.add_argument("--resume", type=Path, help="a load.json cut short: run what it did not")
     ap.add_argument(

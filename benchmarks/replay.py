@@ -41,6 +41,7 @@ from typing import Any
 
 from bench_common import (
     add_eager_option,
+    add_load_format_option,
     cpu_machine,
     gpu_engine_kwargs,
     margin,
@@ -276,7 +277,7 @@ def engine_kwargs(
         return llm_kwargs(model, **limits, **cache, additional_config=extra)
     # The GPU settings that worked on the H200 (benchmarks/results/gpu_device_tier.md).
     return gpu_engine_kwargs(
-        args.model, args.eager, extra, disable_log_stats=False, **limits, **cache
+        args.model, args.eager, extra, args.load_format, disable_log_stats=False, **limits, **cache
     )
 
 
@@ -386,8 +387,9 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
     parser.add_argument(
         "--model",
-        help="GPU: a model directory with config.json (dummy weights); CPU: a model with real "
-        "weights instead of the tiny one (e.g. vllm_hpc.tiny_model.tiny_mtp_path())",
+        help="GPU: a model directory with config.json (dummy weights unless --load-format "
+        "auto); CPU: a model with real weights instead of the tiny one "
+        "(e.g. vllm_hpc.tiny_model.tiny_mtp_path())",
     )
     parser.add_argument(
         "--speculative-config",
@@ -417,6 +419,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     )
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
     add_eager_option(parser, scope="GPU: ")
+    add_load_format_option(parser)
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()

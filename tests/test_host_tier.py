@@ -33,6 +33,9 @@ from engine_support import (
     tokens,
 )
 
+from vllm_hpc.index.admission import source_options
+from vllm_hpc.runtime.records import RequestInfo
+
 pytestmark = pytest.mark.engine
 
 HOST_MIB = 32  # 1,024 slabs of 32 KiB; a 1,500-token conversation takes about 100
@@ -139,8 +142,10 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
     greedy(hosted, [[*preamble, *random_prompt(seed=31, length=100)]], 4, [1024])
     for round_ in range(6):
         session = [*preamble, *random_prompt(seed=40 + round_, length=200)]
+        before = _lookup_now(cache, session)
         out = greedy(hosted, [session], ANSWER)[0]
-        assert out.num_cached_tokens >= 1024, (round_, out.num_cached_tokens, _held_at(cache, 1024))
+        held = _held_at(cache, 1024)
+        assert out.num_cached_tokens >= 1024, (round_, out.num_cached_tokens, before, held)
         assert_same_up_to_near_tie(out, cold, session, ANSWER)
         push_off_device(hosted, seed=200 + 10 * round_, count=2)
     assert (
@@ -149,6 +154,40 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
     )
     newest = random_prompt(seed=200 + 10 * 5 + 1, length=1500)
     assert greedy(hosted, [newest], ANSWER)[0].num_cached_tokens >= 1472
+
+
+def _lookup_now(cache: Any, prompt: list[int]) -> dict[str, Any]:
+    """For a failure's message: what an admission of ``prompt`` would find before it is sent
+    (the runtime's own read-only lookup): the candidates (frontier, kind, device slot, host
+    image), the path's residency, and each source option with its cost and page arithmetic."""
+    info = RequestInfo("diagnostic", prompt, len(prompt), max_output_tokens=ANSWER)
+    lookup = cache.admission.lookup(info)
+    cache.admission.forget(info.request_id)
+    quote = lookup.quote
+    store = cache.index.store
+    match = quote.match
+    return {
+        "frontier": lookup.frontier,
+        "readiness": quote.readiness.name,
+        "need": quote.need_pages,
+        "available": store.available_pages,
+        "free": store.pages.num_free,
+        "candidates": [
+            (c.frontier, c.kind.name, c.slot, c.image_host.name) for c in match.candidates
+        ],
+        "path": "".join(f"{n.device.name[0]}{n.host.name[0]}" for n in match.path[:16]),
+        "options": [
+            (o.frontier, o.host_bytes, o.restore_pages, o.cow_pages, o.own_evictable, o.seconds)
+            for o in source_options(
+                match,
+                store.lru,
+                store.value.cost,
+                store.value.geometry,
+                store.row_pages_given_way,
+            )
+        ],
+        "admissions": cache.admission.counters,
+    }
 
 
 def _held_at(cache: Any, frontier: int) -> tuple[list[tuple[str, Any, str]], Any]:

@@ -98,3 +98,20 @@ def test_a_tap_captured_before_its_blocks_commit_leaves_a_shared_boundary() -> N
     )
     assert not boundary.superseded
     h.finish(admission.lease)
+
+
+def test_a_boundary_another_conversation_resumed_from_stays_retained() -> None:
+    """The conversations that continued below a Boundary can lose their blocks to eviction
+    (dead KV) while it stays: the tree below is one chain again, and the next conversation that
+    resumes from the Boundary and moves on must not supersede it, or a preamble that every
+    session hits goes first under host pressure (seen on the H200: `gpu_engine_modules.md`)."""
+    h = Harness(make_index(host_slabs=64, slots=8))
+    preamble = toks(12, 2 * BLOCK)
+    # Its creator ends one token past it: nothing of that conversation lies below the Boundary.
+    (boundary,) = map(snap, h.run([*preamble, 7], taps=[2 * BLOCK], kind=SnapshotKind.BOUNDARY))
+    session = preamble + toks(13, 2 * BLOCK)
+    admission = h.admit(session)
+    assert admission.source is boundary and boundary.hits == 1
+    h.tap(admission.lease, session, 3 * BLOCK)
+    assert not boundary.superseded
+    h.finish(admission.lease)

@@ -3,6 +3,8 @@
 In a conversation the next request resumes from the newest snapshot of its lineage, so older
 ones only serve retries and edits: they go first under host pressure. A Boundary snapshot may be
 shared by conversations, so it is superseded only while nobody else has continued below it.
+"Nobody else" is the Boundary's own record (no hit), not only the tree below it: the blocks of
+the conversations that continued can be evicted while it stays, and the tree is one chain again.
 """
 
 from __future__ import annotations
@@ -36,4 +38,8 @@ def single_chain_below(snapshot: Snapshot) -> bool:
 
 
 def may_supersede(snapshot: Snapshot) -> bool:
-    return snapshot.kind is not SnapshotKind.BOUNDARY or single_chain_below(snapshot)
+    """Whether a lineage moving past ``snapshot`` supersedes it: not a Boundary that another
+    conversation has resumed from (a hit), nor one with branches below it."""
+    if snapshot.kind is not SnapshotKind.BOUNDARY:
+        return True
+    return snapshot.hits == 0 and single_chain_below(snapshot)

@@ -33,7 +33,6 @@ from engine_support import (
     tokens,
 )
 
-from vllm_hpc.index.admission import source_options
 from vllm_hpc.runtime.records import RequestInfo
 
 pytestmark = pytest.mark.engine
@@ -145,7 +144,8 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
         before = _lookup_now(cache, session)
         out = greedy(hosted, [session], ANSWER)[0]
         held = _held_at(cache, 1024)
-        assert out.num_cached_tokens >= 1024, (round_, out.num_cached_tokens, before, held)
+        # A string, which pytest prints whole (it cuts the repr of other messages short).
+        assert out.num_cached_tokens >= 1024, str((round_, out.num_cached_tokens, before, held))
         assert_same_up_to_near_tie(out, cold, session, ANSWER)
         push_off_device(hosted, seed=200 + 10 * round_, count=2)
     assert (
@@ -159,7 +159,7 @@ def test_host_pressure_keeps_the_shared_preamble_and_the_newest_endpoints(
 def _lookup_now(cache: Any, prompt: list[int]) -> dict[str, Any]:
     """For a failure's message: what an admission of ``prompt`` would find before it is sent
     (the runtime's own read-only lookup): the candidates (frontier, kind, device slot, host
-    image), the path's residency, and each source option with its cost and page arithmetic."""
+    image), the path's residency, and the chosen source's page arithmetic."""
     info = RequestInfo("diagnostic", prompt, len(prompt), max_output_tokens=ANSWER)
     lookup = cache.admission.lookup(info)
     cache.admission.forget(info.request_id)
@@ -176,16 +176,6 @@ def _lookup_now(cache: Any, prompt: list[int]) -> dict[str, Any]:
             (c.frontier, c.kind.name, c.slot, c.image_host.name) for c in match.candidates
         ],
         "path": "".join(f"{n.device.name[0]}{n.host.name[0]}" for n in match.path[:16]),
-        "options": [
-            (o.frontier, o.host_bytes, o.restore_pages, o.cow_pages, o.own_evictable, o.seconds)
-            for o in source_options(
-                match,
-                store.lru,
-                store.value.cost,
-                store.value.geometry,
-                store.row_pages_given_way,
-            )
-        ],
         "admissions": cache.admission.counters,
     }
 

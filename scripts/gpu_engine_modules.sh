@@ -7,8 +7,8 @@
 # optionally the number of groups (default 8). Modules are dealt out in name order, one to each
 # group in turn, through scripts/gpu_parallel_tests.sh. The server modules need the OpenAI
 # server's wheels (`.gpu/srvwhl`) installed into the staged site directory, and
-# tests/test_ray_executor.py needs Ray (`scripts/gpu_ray_parcel.sh`). tests/test_quantized.py's nine
-# CUDA variants (18 engines) outgrow one group: run them a variant a group, as
+# tests/test_ray_executor.py needs Ray (`scripts/gpu_ray_parcel.sh`). tests/test_quantized.py's eight
+# CUDA variants (16 engines) outgrow one group: run them a variant a group, as
 # benchmarks/results/gpu_quantized.md does, and leave it out here with SKIP=tests/test_quantized.py.
 # Likewise tests/test_cuda_graphs.py (seven compiled engines) did not finish in one group beside
 # ten others: run it an engine a group (benchmarks/results/gpu_engine_modules.md). SKIP takes

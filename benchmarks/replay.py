@@ -473,9 +473,12 @@ def main() -> None:
     builds = scenarios(profile, vocab, args.traces)
     if args.workloads:
         builds = {k: builds[k] for k in args.workloads.split(",")}
+    lengths = prompt_lengths(builds, profile.answer)
     if args.plan:
-        plan(builds, profile.answer)
+        for name, sizes in lengths.items():
+            print(f"{name}: {len(sizes)} requests, {sum(sizes)} prompt tokens, max {max(sizes)}")
         return
+    check_fits(lengths, profile)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"replay_{args.profile}"
     path = args.out / f"{stem}.json"
@@ -500,19 +503,39 @@ def main() -> None:
     write_report(path)
 
 
-def plan(builds: dict[str, Callable[[], list[Session]]], answer: int) -> None:
-    """Requests and prompt tokens per workload, answering every prompt with `answer` zeros."""
+def prompt_lengths(
+    builds: dict[str, Callable[[], list[Session]]], answer: int
+) -> dict[str, list[int]]:
+    """Every request's prompt length, per workload. The replay's answers are exactly `answer`
+    tokens (greedy, ``ignore_eos``) and the workloads use only their length, so answering
+    with zeros gives the lengths the engines will see."""
+    lengths: dict[str, list[int]] = {}
     for name, build in builds.items():
-        lengths = []
+        sizes = lengths.setdefault(name, [])
         for session in build():
             prompt = next(session.turns)
             while True:
-                lengths.append(len(prompt))
+                sizes.append(len(prompt))
                 try:
                     prompt = session.turns.send([0] * answer)
                 except StopIteration:
                     break
-        print(f"{name}: {len(lengths)} requests, {sum(lengths)} prompt tokens, max {max(lengths)}")
+    return lengths
+
+
+def check_fits(lengths: dict[str, list[int]], profile: Profile) -> None:
+    """Refuse, before any engine starts, a workload that vLLM would reject mid-run: a GPU call
+    lost its engines' start-up to a prompt longer than --max-model-len (`--max-prompt` bounds
+    only the traces)."""
+    for name, sizes in lengths.items():
+        need = max(sizes) + profile.answer
+        if need > profile.max_model_len:
+            raise SystemExit(
+                f"--max-model-len {profile.max_model_len}: workload {name!r} needs {need} tokens "
+                f"(a {max(sizes)}-token prompt and {profile.answer} answer tokens); raise "
+                "--max-model-len, or lower --scale / --branch-scale / --trace-scale, or leave the "
+                "workload out (--workloads)"
+            )
 
 
 if __name__ == "__main__":

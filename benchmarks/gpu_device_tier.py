@@ -23,8 +23,10 @@ from typing import Any
 from bench_common import (
     add_eager_option,
     add_load_format_option,
+    add_tensor_parallel_option,
     gpu_engine_kwargs,
     gpu_parser,
+    parallel_kwargs,
     publish,
     random_prompt,
     table_head,
@@ -151,7 +153,9 @@ def timings(llm: Any, vocab: int, prefill_len: int) -> dict[str, float]:
     }
 
 
-def engine(model: str, max_len: int, hybrid: bool, load_format: str, eager: bool) -> Any:
+def engine(
+    model: str, max_len: int, hybrid: bool, load_format: str, eager: bool, tensor_parallel: int
+) -> Any:
     from vllm import LLM
 
     config = {"kv_cache_manager": "hybrid-prefix"} if hybrid else {}
@@ -162,6 +166,7 @@ def engine(model: str, max_len: int, hybrid: bool, load_format: str, eager: bool
         load_format=load_format,
         max_model_len=max_len,
         gpu_memory_utilization=0.85,
+        **parallel_kwargs(tensor_parallel),
     )
     return LLM(**kwargs)
 
@@ -202,6 +207,7 @@ def main() -> None:
     add_load_format_option(ap)
     ap.add_argument("--scenarios-only", action="store_true", help="no speed measurements")
     add_eager_option(ap)
+    add_tensor_parallel_option(ap)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +219,14 @@ def main() -> None:
         if name in report:
             continue
         t = time.time()
-        llm = engine(args.model, args.max_model_len, hybrid, args.load_format, args.eager)
+        llm = engine(
+            args.model,
+            args.max_model_len,
+            hybrid,
+            args.load_format,
+            args.eager,
+            args.tensor_parallel_size,
+        )
         print(f"[{name}] engine ready in {time.time() - t:.0f} s", flush=True)
         report[name] = {
             "startup_s": time.time() - t,

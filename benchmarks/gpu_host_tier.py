@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import add_eager_option, gpu_engine_kwargs, gpu_parser, random_prompt, vocab_size
+from bench_common import (
+    add_eager_option,
+    add_tensor_parallel_option,
+    gpu_engine_kwargs,
+    gpu_parser,
+    parallel_kwargs,
+    random_prompt,
+    vocab_size,
+)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -154,6 +162,7 @@ def main() -> None:
     ap.add_argument("--host-mib", type=int, default=24_576)
     ap.add_argument("--kv-gib", type=float, default=14.0)
     add_eager_option(ap)
+    add_tensor_parallel_option(ap)
     args = ap.parse_args()
     from vllm import LLM
 
@@ -167,6 +176,7 @@ def main() -> None:
             max_model_len=args.length + 512,
             kv_cache_memory_bytes=int(args.kv_gib * 2**30),
             max_num_seqs=16,
+            **parallel_kwargs(args.tensor_parallel_size),
         )
     )
     report: dict[str, Any] = {"args": vars(args)}

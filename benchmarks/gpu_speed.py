@@ -138,6 +138,7 @@ def engine_facts(llm: Any) -> dict[str, Any]:
         ("max_num_seqs", cfg.scheduler_config, "max_num_seqs"),
         ("async_scheduling", cfg.scheduler_config, "async_scheduling"),
         ("chunked_prefill", cfg.scheduler_config, "enable_chunked_prefill"),
+        ("tensor_parallel_size", cfg.parallel_config, "tensor_parallel_size"),
     ):
         value = getattr(obj, attr, None)
         facts[name] = value if isinstance(value, bool | int | float | str | None) else str(value)

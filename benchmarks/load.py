@@ -63,8 +63,10 @@ from typing import Any
 from bench_common import (
     add_eager_option,
     add_load_format_option,
+    add_tensor_parallel_option,
     cpu_machine,
     gpu_engine_kwargs,
+    parallel_kwargs,
     random_prompt,
     ratio,
     revision,
@@ -208,6 +210,7 @@ def engine_kwargs(args: argparse.Namespace, config: str, max_num_seqs: int) -> d
         "max_num_seqs": max_num_seqs,
         "enable_prefix_caching": True,
         "disable_log_stats": False,
+        **parallel_kwargs(args.tensor_parallel_size),
     }
     if args.max_num_batched_tokens:
         limits["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -559,6 +562,7 @@ MEASUREMENT_ARGS = (
     "max_model_len",
     "gpu_memory_utilization",
     "max_num_batched_tokens",
+    "tensor_parallel_size",
     *(s.key for s in PLUGIN_OPTIONS),
 )
 """What calls merged by --resume must share, or their engines measured different work."""
@@ -907,6 +911,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
     add_load_format_option(ap)
     add_eager_option(ap, scope="GPU: ")
+    add_tensor_parallel_option(ap)
     ap.add_argument("--resume", type=Path, help="a load.json cut short: run what it did not")
     ap.add_argument(
         "--profile-steps", type=int, default=0, help="decode steps to time and profile (0: off)"

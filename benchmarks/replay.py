@@ -42,9 +42,11 @@ from typing import Any
 from bench_common import (
     add_eager_option,
     add_load_format_option,
+    add_tensor_parallel_option,
     cpu_machine,
     gpu_engine_kwargs,
     margin,
+    parallel_kwargs,
     revision,
     source_digest,
     vocab_size,
@@ -265,6 +267,7 @@ def engine_kwargs(
     limits: dict[str, Any] = {
         "max_model_len": profile.max_model_len,
         "gpu_memory_utilization": profile.memory,
+        **parallel_kwargs(args.tensor_parallel_size),
     }
     if args.speculative_config is not None:
         limits["speculative_config"] = args.speculative_config
@@ -420,6 +423,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
     add_eager_option(parser, scope="GPU: ")
     add_load_format_option(parser)
+    add_tensor_parallel_option(parser)
     for knob in Profile.__dataclass_fields__:
         parser.add_argument("--" + knob.replace("_", "-"), type=float, dest=knob)
     args = parser.parse_args()
@@ -454,6 +458,11 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         )
     if data.get("kv_cache_gib", args.kv_cache_gib) != args.kv_cache_gib:
         raise SystemExit(f"--resume: {args.resume} ran --kv-cache-gib {data['kv_cache_gib']}")
+    tp = args.tensor_parallel_size
+    if data.get("tensor_parallel_size", tp) != tp:
+        raise SystemExit(
+            f"--resume: {args.resume} ran --tensor-parallel-size {data['tensor_parallel_size']}"
+        )
     data.update(
         vllm=vllm.__version__,
         machine=machine(args.model),
@@ -461,6 +470,7 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         profile=asdict(profile),
         speculative_config=spec,
         kv_cache_gib=args.kv_cache_gib,
+        tensor_parallel_size=tp,
     )
     data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})

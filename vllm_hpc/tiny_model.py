@@ -391,6 +391,9 @@ class TinyMTPRecipe:
 
 
 MTP_RECIPE = TinyMTPRecipe()
+MOE_MTP_RECIPE = TinyMTPRecipe(base=MOE_RECIPE)
+"""The same on the tiny MoE model: its MTP layer's MLP is layer 0's mixture of experts, as in
+Qwen3.5-MoE's checkpoints (vLLM's `Qwen3_5MoeMTP`)."""
 
 
 def tiny_mtp_path(recipe: TinyMTPRecipe = MTP_RECIPE) -> Path:
@@ -421,7 +424,10 @@ def _build_mtp(source: Path, recipe: TinyMTPRecipe, out_dir: Path) -> None:
     rms = embed.pow(2).mean(-1, keepdim=True).sqrt()
     tensors["model.embed_tokens.weight"] = embed * (recipe.embed_rms / rms)
     for layer in range(1, config["num_hidden_layers"]):
-        tensors[f"model.layers.{layer}.mlp.down_proj.weight"].zero_()
+        mlp = f"model.layers.{layer}.mlp."
+        for name in tensors:  # the dense MLP's, or every expert's and the shared expert's
+            if name.startswith(mlp) and name.endswith("down_proj.weight"):
+                tensors[name].zero_()
     for name in tensors:
         if name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
             tensors[name] = tensors[name].float() * recipe.mixer_scale

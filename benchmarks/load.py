@@ -577,7 +577,13 @@ def resumed(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """This call's report with the engines --resume's report measured kept, and both
     calls' commands recorded."""
     previous = json.loads(Path(args.resume).read_text())
-    differ = [k for k in MEASUREMENT_ARGS if previous["args"].get(k) != getattr(args, k, None)]
+    # An option added after the earlier call ran is missing from its arguments: its default ran.
+    defaults = build_parser()
+    differ = [
+        k
+        for k in MEASUREMENT_ARGS
+        if previous["args"].get(k, defaults.get_default(k)) != getattr(args, k, None)
+    ]
     if differ:
         raise SystemExit(f"--resume {args.resume}: other measurement arguments: {differ}")
     measured = {engine_key(e): e for e in previous["engines"] if "result" in e}

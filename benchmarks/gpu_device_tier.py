@@ -213,6 +213,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     vocab = vocab_size(args.model)
     report: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    # A report written before --tensor-parallel-size existed ran at 1.
+    ran = report.get("tensor_parallel_size", 1) if args.reuse else args.tensor_parallel_size
+    if ran != args.tensor_parallel_size:
+        raise SystemExit(f"--reuse {args.reuse}: it ran --tensor-parallel-size {ran}")
+    report["tensor_parallel_size"] = ran
     if not args.scenarios_only:
         report.setdefault("tap_copy_ms", tap_copy_ms(args.model))
     for name, hybrid in (("cold", False), ("hybrid", True)):

@@ -342,7 +342,7 @@ async def run_config(
         # Prompts of their own first, a short one and one over a prefill chunk, so no workload
         # pays the first steps' set-up (kernel compilation on a GPU) in its TTFT.
         chunk = config.scheduler_config.max_num_batched_tokens
-        for n in (64, chunk + 64):
+        for n in (64, min(chunk + 64, profile.max_model_len - profile.answer)):
             warm = [1000 + i % 2000 for i in range(n)]
             await send(engine, warm, params, f"warm-up-{n}", time.perf_counter())
         for name, build in builds.items():
@@ -442,6 +442,15 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     return args, profile
 
 
+RUN_SETTINGS: dict[str, Any] = {
+    "speculative_config": None,
+    "kv_cache_gib": None,
+    "tensor_parallel_size": 1,
+}
+"""The options every configuration of a run shares, which --resume must match, each with the
+value a JSON written before the option existed ran with."""
+
+
 def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     """The run's JSON before this call's engines: --resume's, with this call recorded."""
     import vllm
@@ -451,26 +460,17 @@ def new_data(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     data.setdefault("runs", []).append({"command": command, "checkout": revision()})
     if data.get("profile", asdict(profile)) != asdict(profile):
         raise SystemExit(f"--resume: {args.resume} ran another profile: {data['profile']}")
-    spec = args.speculative_config
-    if data.get("speculative_config", spec) != spec:
-        raise SystemExit(
-            f"--resume: {args.resume} ran --speculative-config {data['speculative_config']}"
-        )
-    if data.get("kv_cache_gib", args.kv_cache_gib) != args.kv_cache_gib:
-        raise SystemExit(f"--resume: {args.resume} ran --kv-cache-gib {data['kv_cache_gib']}")
-    tp = args.tensor_parallel_size
-    if data.get("tensor_parallel_size", tp) != tp:
-        raise SystemExit(
-            f"--resume: {args.resume} ran --tensor-parallel-size {data['tensor_parallel_size']}"
-        )
+    settings = {key: getattr(args, key) for key in RUN_SETTINGS}
+    for key, before in RUN_SETTINGS.items():
+        ran = data.get(key, before)
+        if args.resume and ran != settings[key]:
+            raise SystemExit(f"--resume: {args.resume} ran --{key.replace('_', '-')} {ran}")
     data.update(
         vllm=vllm.__version__,
         machine=machine(args.model),
         model=args.model or "embedded tiny Qwen3.5 (vllm_hpc.tiny_model)",
         profile=asdict(profile),
-        speculative_config=spec,
-        kv_cache_gib=args.kv_cache_gib,
-        tensor_parallel_size=tp,
+        **settings,
     )
     data.setdefault("date", time.strftime("%Y-%m-%d %H:%M %Z"))
     data.setdefault("configs", {})
@@ -486,7 +486,8 @@ def main() -> None:
     lengths = prompt_lengths(builds, profile.answer)
     if args.plan:
         for name, sizes in lengths.items():
-            print(f"{name}: {len(sizes)} requests, {sum(sizes)} prompt tokens, max {max(sizes)}")
+            longest = max(sizes, default=0)
+            print(f"{name}: {len(sizes)} requests, {sum(sizes)} prompt tokens, max {longest}")
         return
     check_fits(lengths, profile)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -534,10 +535,13 @@ def prompt_lengths(
 
 
 def check_fits(lengths: dict[str, list[int]], profile: Profile) -> None:
-    """Refuse, before any engine starts, a workload that vLLM would reject mid-run: a GPU call
-    lost its engines' start-up to a prompt longer than --max-model-len (`--max-prompt` bounds
-    only the traces)."""
+    """Refuse, before any engine starts, a workload whose prompt and answer do not fit
+    --max-model-len: vLLM rejects a prompt that long mid-run (a GPU call lost its engines'
+    start-up to one) and cuts an answer short, which changes every later prompt of a session
+    (`--max-prompt` bounds only the traces)."""
     for name, sizes in lengths.items():
+        if not sizes:
+            raise SystemExit(f"workload {name!r} has no request at these sizes (--max-prompt?)")
         need = max(sizes) + profile.answer
         if need > profile.max_model_len:
             raise SystemExit(

@@ -14,6 +14,10 @@ mkdir -p "$JOBS"
 start() {
   local name=$1 script=$2
   shift 2
+  if [ -f "$JOBS/$name.pid" ] && kill -0 "$(cat "$JOBS/$name.pid")" 2>/dev/null; then
+    echo "job $name is still running (pid $(cat "$JOBS/$name.pid"))" >&2
+    return 1
+  fi
   rm -f "$JOBS/$name.pid" "$JOBS/$name.rc"
   # shellcheck disable=SC2016  # $$ and $? belong to the detached shell
   setsid nohup bash -c 'echo $$ > "$0.pid"; bash "$@"; echo $? > "$0.rc"' \
@@ -43,11 +47,15 @@ wait_jobs() {
     fi
     tail -n 4 "$JOBS/$name.log" | tr '\r' '\n' | tail -n 4
   done
-  tar -czf "${OUT:?set OUT to the output folder of the device call}/jobs.tgz" -C /tmp --exclude='*.pid' jobs
+  # Logs grow while they are packed: tar says so with status 1, which is no failure here.
+  tar -czf "${OUT:?set OUT to the output folder of the device call}/jobs.tgz" -C /tmp \
+    --warning=no-file-changed --exclude='*.pid' jobs || [ $? -eq 1 ]
 }
 
+usage() { echo "usage: gpu_jobs.sh start NAME SCRIPT [ARGS...] | wait SECONDS" >&2; exit 2; }
+
 case "${1:-}" in
-  start) shift; start "$@" ;;
-  wait) wait_jobs "$2" ;;
-  *) echo "usage: gpu_jobs.sh start NAME SCRIPT [ARGS...] | wait SECONDS" >&2; exit 2 ;;
+  start) [ $# -ge 3 ] || usage; shift; start "$@" ;;
+  wait) [ $# -eq 2 ] || usage; wait_jobs "$2" ;;
+  *) usage ;;
 esac

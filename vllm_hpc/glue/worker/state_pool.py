@@ -14,14 +14,21 @@ unused block-table rows with block id 0). The views exist once vLLM has allocate
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from vllm_hpc.faults import InjectedFault, armed
-from vllm_hpc.glue.row_layout import RowLayout, aligned_state_bytes, plan_rows, spans_of
+from vllm_hpc.glue.row_layout import (
+    FIRST_PAGE,
+    RowLayout,
+    aligned_state_bytes,
+    plan_rows,
+    spans_of,
+)
 from vllm_hpc.glue.worker.in_pass import StepCaptures, device_index
 from vllm_hpc.runtime.plan import StateCopy
 
@@ -42,6 +49,8 @@ class StatePool:
         self._unbound: dict[str, tuple[torch.Tensor, ...]] = {}
         """Stand-in scratch rows until `bind` (see `layer`)."""
         self.layout: RowLayout | None = None
+        self._rows: tuple[torch.Tensor, ...] = ()
+        """The state rows as whole byte ranges (`row_views`): what a copy or a zero moves."""
         self.restores: Sequence[LayerRestore] = ()
         """This step's host restores (set by the connector): a layer waits for its part."""
         self.in_pass_taps = False
@@ -110,6 +119,7 @@ class StatePool:
                 offset += aligned_state_bytes([_nbytes((shape, dtype))])
             self._layers[name] = tuple(views)
         self.layout = layout
+        self._rows = row_views(storage, layout)
         self._unbound.clear()
         for tensors in self._layers.values():
             for tensor in tensors:
@@ -132,45 +142,38 @@ class StatePool:
     def zero(self, rows: Sequence[int]) -> None:
         """Zero the states of rows that held KV pages until now: a cold prefill reads parts of
         its initial state (vLLM zeroes new Mamba blocks for the same reason), and KV bytes read
-        as float could be NaN."""
+        as float could be NaN. The whole rows, one kernel over every span (`_rows`)."""
         index = device_index(rows, self.device)
-        for tensors in self._layers.values():
-            for tensor in tensors:
-                tensor.index_fill_(0, index, 0)
+        for planes in self._rows:
+            planes.index_fill_(-2, index, 0)
 
     def copy(self, copies: Iterable[StateCopy]) -> None:
         """Apply slot-to-slot copies one after the other, in order (a later copy sees the
-        result of an earlier one), each over every layer. Copies that cannot see one another
-        (a wave, `copy_waves`) move together: two indexed ops per layer and state tensor
-        instead of one `copy_` per copy, layer and tensor (96 a copy on Qwen3.5-27B), which
-        cost a burst's finishing steps about 35 ms each of the engine's one thread
-        (`benchmarks/results/gpu_load.md`, run 6)."""
+        result of an earlier one). A plain copy moves the source row's bytes whole, one kernel
+        over every span (`_rows`) instead of one per layer and state tensor (96 on
+        Qwen3.5-27B): a burst's finishing steps copy 16 endpoints each, and the per-tensor
+        copies cost them about 3 ms of GPU time and 192 launches a step
+        (`benchmarks/results/gpu_load.md`, run 8's finishing-step profile)."""
         if armed("state_copy"):
             raise InjectedFault("injected state copy failure")
         corrupt = armed("snapshot_corrupt")
         tensors = [t for layer in self._layers.values() for t in layer]
-        for wave in copy_waves(copies):
+        for copy in copies:
+            if copy.reads == (copy.dst,):
+                continue  # nothing to move
             if corrupt:
-                for copy in wave:
-                    for tensor in tensors:
-                        tensor[copy.dst].fill_(1.0)
-            elif len(wave) == 1 or any(c.recurrent_src is not None for c in wave):
-                for copy in wave:
-                    self._copy_one(copy, tensors)
-            else:
-                src = device_index([c.src for c in wave], self.device)
-                dst = device_index([c.dst for c in wave], self.device)
                 for tensor in tensors:
-                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
+                    tensor[copy.dst].fill_(1.0)
+            elif copy.recurrent_src is None:
+                for rows in self._rows:
+                    rows[..., copy.dst, :].copy_(rows[..., copy.src, :])
+            else:
+                self._gather(copy)
 
-    def _copy_one(self, copy: StateCopy, tensors: list[torch.Tensor]) -> None:
-        """One copy; a speculative one (`StateCopy.recurrent_src`) gathers the state after the
-        last accepted token: its recurrent state, and its conv window moved to the front (the
+    def _gather(self, copy: StateCopy) -> None:
+        """A speculative copy (`StateCopy.recurrent_src`) gathers the state after the last
+        accepted token: its recurrent state, and its conv window moved to the front (the
         columns after it zeroed), as a prefill leaves them."""
-        if copy.recurrent_src is None:
-            for tensor in tensors:
-                tensor[copy.dst].copy_(tensor[copy.src])
-            return
         for conv, recurrent in self._layers.values():
             columns = conv if self.conv_dim_first else conv.transpose(-1, -2)
             kept = columns.shape[-1] - copy.conv_offset
@@ -179,25 +182,43 @@ class StatePool:
             recurrent[copy.dst].copy_(recurrent[copy.recurrent_src])
 
 
-def copy_waves(copies: Iterable[StateCopy]) -> Iterator[list[StateCopy]]:
-    """The copies, in order, cut into waves whose copies may land in any order (all at once):
-    within a wave no copy reads or writes a slot an earlier one writes, or writes a slot an
-    earlier one reads, so a wave gives what its copies one after the other give. Copies of a
-    slot onto itself are left out."""
-    wave: list[StateCopy] = []
-    written: set[int] = set()
-    read: set[int] = set()
-    for copy in copies:
-        if copy.reads == (copy.dst,):
-            continue  # nothing to move
-        if written.intersection(copy.reads) or copy.dst in written or copy.dst in read:
-            yield wave
-            wave, written, read = [], set(), set()
-        wave.append(copy)
-        written.add(copy.dst)
-        read.update(copy.reads)
-    if wave:
-        yield wave
+def row_views(storage: torch.UntypedStorage, layout: RowLayout) -> tuple[torch.Tensor, ...]:
+    """Every row's bytes in each span, as one ``(spans, rows, words)`` tensor when the spans
+    lie equally far apart (vLLM's layouts: a span per attention layer at a fixed layer stride,
+    or a single span), else a ``(rows, words)`` tensor per span. A word is the widest integer
+    dividing every offset and length, so a copy moves up to 8 bytes an element."""
+    starts = sorted(span.base + FIRST_PAGE * span.block_bytes for span in layout.spans)
+    strides = sorted({layout.row_stride(i) for i in range(len(layout.spans))})
+    gaps = sorted({b - a for a, b in itertools.pairwise(starts)})
+    dtype = next(
+        d
+        for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+        if all(n % d.itemsize == 0 for n in (*starts, *strides, *gaps))
+    )
+    item = dtype.itemsize
+    if len(strides) == 1 and len(gaps) <= 1:
+        words = strides[0] // item
+        gap = gaps[0] // item if gaps else words * layout.num_rows
+        shape = (len(starts), layout.num_rows, words)
+        return (_view(storage, dtype, starts[0], shape, (gap, words, 1)),)
+    views = []
+    for index, span in enumerate(layout.spans):
+        words = layout.row_stride(index) // item
+        start = span.base + FIRST_PAGE * span.block_bytes
+        views.append(_view(storage, dtype, start, (layout.num_rows, words), (words, 1)))
+    return tuple(views)
+
+
+def _view(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    tensor = torch.empty(0, dtype=dtype, device=storage.device)
+    tensor.set_(storage, offset // dtype.itemsize, shape, stride)
+    return tensor
 
 
 def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
@@ -232,6 +253,4 @@ def _strided(
     inner = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         inner[d] = inner[d + 1] * shape[d + 1]
-    tensor = torch.empty(0, dtype=dtype, device=storage.device)
-    tensor.set_(storage, offset // item, (rows, *shape), (row_stride // item, *inner))
-    return tensor
+    return _view(storage, dtype, offset, (rows, *shape), (row_stride // item, *inner))

@@ -178,7 +178,7 @@ def tap_copy_ms(model: str) -> float:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from pool_support import bound_pool
+    from pool_support import bound_pool  # type: ignore[import-not-found]
 
     from vllm_hpc.runtime.plan import StateCopy
 

@@ -55,11 +55,14 @@ class RowLayout:
     def row_stride(self, span: int) -> int:
         return self.row_pages * self.spans[span].block_bytes
 
+    def row_start(self, span: int) -> int:
+        """Byte offset in the buffer of row 0 in span ``span``."""
+        return self.spans[span].base + FIRST_PAGE * self.spans[span].block_bytes
+
     def address(self, layer: int) -> int:
         """Byte offset in the buffer of row 0's state of GDN layer ``layer``."""
         place = self.places[layer]
-        span = self.spans[place.span]
-        return span.base + FIRST_PAGE * span.block_bytes + place.offset
+        return self.row_start(place.span) + place.offset
 
 
 def aligned_state_bytes(tensor_bytes: Sequence[int]) -> int:

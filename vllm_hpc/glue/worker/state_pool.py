@@ -22,13 +22,7 @@ from typing import Protocol
 import torch
 
 from vllm_hpc.faults import InjectedFault, armed
-from vllm_hpc.glue.row_layout import (
-    FIRST_PAGE,
-    RowLayout,
-    aligned_state_bytes,
-    plan_rows,
-    spans_of,
-)
+from vllm_hpc.glue.row_layout import RowLayout, aligned_state_bytes, plan_rows, spans_of
 from vllm_hpc.glue.worker.in_pass import StepCaptures, device_index
 from vllm_hpc.runtime.plan import StateCopy
 
@@ -157,13 +151,13 @@ class StatePool:
         if armed("state_copy"):
             raise InjectedFault("injected state copy failure")
         corrupt = armed("snapshot_corrupt")
-        tensors = [t for layer in self._layers.values() for t in layer]
         for copy in copies:
             if copy.reads == (copy.dst,):
                 continue  # nothing to move
             if corrupt:
-                for tensor in tensors:
-                    tensor[copy.dst].fill_(1.0)
+                for tensors in self._layers.values():
+                    for tensor in tensors:
+                        tensor[copy.dst].fill_(1.0)
             elif copy.recurrent_src is None:
                 for rows in self._rows:
                     rows[..., copy.dst, :].copy_(rows[..., copy.src, :])
@@ -187,8 +181,9 @@ def row_views(storage: torch.UntypedStorage, layout: RowLayout) -> tuple[torch.T
     lie equally far apart (vLLM's layouts: a span per attention layer at a fixed layer stride,
     or a single span), else a ``(rows, words)`` tensor per span. A word is the widest integer
     dividing every offset and length, so a copy moves up to 8 bytes an element."""
-    starts = sorted(span.base + FIRST_PAGE * span.block_bytes for span in layout.spans)
-    strides = sorted({layout.row_stride(i) for i in range(len(layout.spans))})
+    spans = range(len(layout.spans))
+    starts = sorted(layout.row_start(i) for i in spans)
+    strides = sorted({layout.row_stride(i) for i in spans})
     gaps = sorted({b - a for a, b in itertools.pairwise(starts)})
     dtype = next(
         d
@@ -202,9 +197,9 @@ def row_views(storage: torch.UntypedStorage, layout: RowLayout) -> tuple[torch.T
         shape = (len(starts), layout.num_rows, words)
         return (_view(storage, dtype, starts[0], shape, (gap, words, 1)),)
     views = []
-    for index, span in enumerate(layout.spans):
+    for index in spans:
         words = layout.row_stride(index) // item
-        start = span.base + FIRST_PAGE * span.block_bytes
+        start = layout.row_start(index)
         views.append(_view(storage, dtype, start, (layout.num_rows, words), (words, 1)))
     return tuple(views)
 

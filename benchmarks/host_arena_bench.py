@@ -1,31 +1,40 @@
-"""Host tier copy bandwidth on a Qwen3.5-27B-shaped layout, against the pinned-copy peak (CUDA).
+"""Host tier copy bandwidth on a Qwen3.5-27B-shaped layout, against the pinned-copy peak (CUDA),
+and the engine thread's time to plan and issue a burst's finishing wave of write-through.
 
 Layout: 16 attention layers of 4 KV heads x 256 dims (bf16, 64-token pages, so a block record
-is 4 MiB) and 48 GDN layers (a 146.8 MiB state image). Measures, in one run:
+is 4 MiB) and 48 GDN layers (a bf16 conv state and a float32 recurrent state: a 146.8 MiB state
+image). Measures, in one run:
 
 - pinning time of the slab chunks;
 - write-through and restore of 256 blocks on consecutive and on scattered slabs, and of one
   image, against one contiguous pinned `copy_` of the same size (the peak);
-- overlap: a restore with per-layer waits while the compute stream runs one matmul per layer.
+- overlap: a restore with per-layer waits while the compute stream runs one matmul per layer;
+- a finishing wave (16 requests of 18 scattered blocks and an endpoint image each, as in the
+  256-request burst of `gpu_load.md`): the CPU time of `HostArena.write` until it returns.
 
     python benchmarks/host_arena_bench.py
+    python benchmarks/host_arena_bench.py --plan-only    # any machine: the wave's planning alone
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
-from vllm_hpc.glue.worker.state_pool import StatePool
+from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
-PAGES, HEADS, TOKENS, DIM = 1024, 4, 64, 256
+HEADS, TOKENS, DIM = 4, 64, 256
 BLOCKS = 256
+WAVE_REQUESTS, WAVE_BLOCKS = 16, 18
 REPS = 5
 
 
@@ -52,26 +61,70 @@ def timed(issue: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) / REPS
 
 
-def build_layout() -> DeviceLayout:
+def build_layout(device: torch.device, pages: int) -> DeviceLayout:
+    """The 27B shape's attention pages and a state pool of a few rows over a buffer of its own
+    (the tests' `pool_support.bound_pool`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from pool_support import bound_pool  # type: ignore[import-not-found]
+
     attention = [f"model.layers.{i}.self_attn.attn" for i in range(3, 64, 4)]
     gdn = [f"model.layers.{i}.linear_attn" for i in range(64) if i % 4 != 3]
     page = HEADS * TOKENS * 2 * DIM * 2
-    raw = torch.randint(-128, 128, (len(attention) * PAGES * page,), dtype=torch.int8)
-    raw = raw.cuda()
+    raw = torch.randint(-128, 128, (len(attention) * pages * page,), dtype=torch.int8)
+    raw = raw.to(device)
     kv = {
-        name: raw[i * PAGES * page : (i + 1) * PAGES * page]
+        name: raw[i * pages * page : (i + 1) * pages * page]
         .view(torch.bfloat16)
-        .view(PAGES, HEADS, TOKENS, 2 * DIM)
+        .view(pages, HEADS, TOKENS, 2 * DIM)
         for i, name in enumerate(attention)
     }
-    pool = StatePool(4, 4, torch.device("cuda"))
-    for name in gdn:
-        pool.add_layer(name, [(3, 10240), (48, 128, 128)], [torch.bfloat16, torch.float32])
-    return DeviceLayout.bind(kv, PAGES, pool)
+    shapes, dtypes = [(3, 10240), (48, 128, 128)], [torch.bfloat16, torch.float32]
+    pool = bound_pool(device, gdn, shapes, dtypes, rows=4)
+    return DeviceLayout.bind(kv, pages, pool)
+
+
+def wave(arena: HostArena, seed: int) -> tuple[list[PageSlab], list[ImageCopy]]:
+    """A finishing wave's write-through: scattered pages and slabs, one image a request."""
+    rng = random.Random(seed)
+    count = arena.grid.geometry.image_slabs
+    slabs = rng.sample(range(arena.grid.capacity), WAVE_REQUESTS * (WAVE_BLOCKS + count))
+    pages = rng.sample(range(arena.layout.num_pages), WAVE_REQUESTS * WAVE_BLOCKS)
+    blocks = [PageSlab(p, s) for p, s in zip(pages, slabs, strict=False)]
+    rest = slabs[len(blocks) :]
+    images = [
+        ImageCopy(1 + i % (arena.layout.num_slots - 1), tuple(rest[i * count : (i + 1) * count]))
+        for i in range(WAVE_REQUESTS)
+    ]
+    return blocks, images
+
+
+def wave_cpu_ms(call: Callable[[], Any]) -> float:
+    """The median CPU time of ``call`` over 20 calls, in milliseconds."""
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def plan_only() -> None:
+    layout = build_layout(torch.device("cpu"), WAVE_REQUESTS * WAVE_BLOCKS)
+    arena = HostArena(layout, SlabGrid.for_budget(6 << 10, layout.geometry))
+    blocks, images = wave(arena, 0)
+    ranges = arena.plan_write(blocks, images)
+    ms = wave_cpu_ms(lambda: arena.plan_write(blocks, images))
+    print(f"finishing wave: {len(blocks)} blocks, {len(images)} images, {len(ranges)} ranges")
+    print(f"planning its write-through: {ms:.2f} ms (median of 20)")
 
 
 def main() -> None:
-    layout = build_layout()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan-only", action="store_true", help="the wave's planning, on the CPU")
+    if ap.parse_args().plan_only:
+        plan_only()
+        return
+    layout = build_layout(torch.device("cuda"), 1024)
     geometry = layout.geometry
     print(
         f"block record {geometry.block_bytes / 2**20:.2f} MiB, image "
@@ -86,15 +139,16 @@ def main() -> None:
     consecutive = list(range(100, 100 + BLOCKS))
     scattered = random.Random(0).sample(range(capacity), BLOCKS)
     for name, slabs in (("consecutive", consecutive), ("scattered", scattered)):
-        write = timed(lambda s=slabs: arena.write(blocks=list(zip(range(BLOCKS), s, strict=True))))
-        read = timed(lambda s=slabs: arena.restore(blocks=list(zip(s, range(BLOCKS), strict=True))))
+        pairs = [PageSlab(page, slab) for page, slab in enumerate(slabs)]
+        write = timed(lambda p=pairs: arena.write(blocks=p))
+        read = timed(lambda p=pairs: arena.restore(blocks=p))
         print(
             f"{BLOCKS} blocks ({size:.2f} GB), {name} slabs: "
             f"D2H {size / write:.1f} GB/s, H2D {size / read:.1f} GB/s"
         )
     image = list(range(2000, 2000 + geometry.image_slabs))
-    write = timed(lambda: arena.write(images=[(5, image)]))
-    read = timed(lambda: arena.restore(image=(image, 2)))
+    write = timed(lambda: arena.write(images=[ImageCopy(3, tuple(image))]))
+    read = timed(lambda: arena.restore(image=ImageCopy(2, tuple(image))))
     gb = geometry.image_bytes / 1e9
     print(f"one image: D2H {gb / write:.1f} GB/s, H2D {gb / read:.1f} GB/s")
     host = torch.empty(BLOCKS * geometry.block_bytes, dtype=torch.uint8, pin_memory=True)
@@ -116,15 +170,22 @@ def main() -> None:
         return Done()
 
     def restore() -> Any:
-        return arena.restore(
-            blocks=list(zip(consecutive, range(BLOCKS), strict=True)), image=(image, 2)
-        )
+        blocks = [PageSlab(page, slab) for page, slab in enumerate(consecutive)]
+        return arena.restore(blocks=blocks, image=ImageCopy(2, tuple(image)))
 
     compute, copy = timed(lambda: forward(None)), timed(restore)
     both = timed(lambda: forward(restore()))
     print(
         f"64 layers of compute {compute * 1e3:.1f} ms, restore {copy * 1e3:.1f} ms, both with "
         f"per-layer waits {both * 1e3:.1f} ms (one after the other: {(compute + copy) * 1e3:.1f})"
+    )
+    blocks, images = wave(arena, 0)
+    ms = wave_cpu_ms(lambda: arena.write(blocks, images))
+    torch.cuda.synchronize()
+    ranges = len(arena.plan_write(blocks, images))
+    print(
+        f"finishing wave ({len(blocks)} blocks, {len(images)} images, {ranges} ranges): "
+        f"HostArena.write returns after {ms:.2f} ms of CPU (median of 20, batched: {arena.batched})"
     )
     print("arena counters:", arena.stats)
 

@@ -1,4 +1,4 @@
-"""The host tier's data mover on CPU: bit-exact round trips, coalesced runs, scattered images.
+"""The host tier's data mover on CPU: bit-exact round trips, merged ranges, scattered images.
 
 The attention KV caches are built by vLLM's own `create_kv_cache_views`, the function its
 workers use to hand each layer its ``[B, H, N, C]`` view, for every `KVCacheLayout`.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 from pool_support import bound_pool
@@ -21,6 +22,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_hpc import faults
 from vllm_hpc.glue.worker import host_arena
+from vllm_hpc.glue.worker.copy_ranges import CopyRanges
 from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.state_pool import StatePool
@@ -115,29 +117,39 @@ def test_block_record_is_layer_major_in_forward_order() -> None:
 
 
 @pytest.mark.parametrize(
-    ("pages", "slabs", "runs"),
+    ("pages", "slabs"),
     [
-        ([0, 1, 2, 3], [4, 5, 6, 7], 1),  # one run
-        ([0, 1, 2, 3], [6, 7, 8, 9], 2),  # chunk edge between slabs 7 and 8
-        ([0, 1, 2, 3], [4, 6, 5, 7], 4),  # slabs out of step
-        ([3, 0, 2, 1], [7, 4, 6, 5], 1),  # any order of pairs
-        ([0, 2, 3, 5], [4, 5, 6, 7], 3),  # pages out of step
+        ([0, 1, 2, 3], [4, 5, 6, 7]),  # consecutive pages on consecutive slabs
+        ([0, 1, 2, 3], [6, 7, 8, 9]),  # a chunk edge between slabs 7 and 8
+        ([3, 0, 2, 1], [7, 4, 6, 5]),  # any order of pairs
+        ([0, 2, 3, 5], [4, 6, 5, 7]),  # pages and slabs out of step
     ],
 )
-def test_runs_coalesce_into_one_copy_per_plane(
-    pages: list[int], slabs: list[int], runs: int
-) -> None:
+def test_a_batch_moves_one_range_per_page_and_plane(pages: list[int], slabs: list[int]) -> None:
+    """A page's plane sits beside the other layers' planes in its slab, so no two pages'
+    ranges continue one another on the host side, whatever the order of pages and slabs."""
     arena = cpu_arena(slabs_per_chunk=8)
     arena.write(blocks=_pairs(pages, slabs))
-    assert arena.stats.copies == runs * len(ATTENTION)
+    assert arena.stats.copies == len(pages) * len(ATTENTION)
     arena.restore(blocks=_pairs(pages, slabs))
-    assert arena.stats.copies == 2 * runs * len(ATTENTION)
+    assert arena.stats.copies == 2 * len(pages) * len(ATTENTION)
+
+
+def test_ranges_merge_only_where_both_sides_continue() -> None:
+    def ranges(*rows: tuple[int, int, int]) -> CopyRanges:
+        dst, src, nbytes = (np.array(column, dtype=np.int64) for column in zip(*rows, strict=True))
+        return CopyRanges(dst, src, nbytes)
+
+    merged = ranges((0, 100, 8), (8, 108, 8), (16, 116, 4), (40, 120, 4), (44, 200, 4)).merged()
+    assert merged.as_lists() == ([0, 40, 44], [100, 120, 200], [20, 4, 4])
+    assert len(ranges((0, 0, 4)).merged()) == 1
+    assert len(CopyRanges.empty().merged()) == 0
 
 
 def test_head_outer_layouts_copy_one_plane_per_head() -> None:
     arena = cpu_arena(layout=KVCacheLayout.LHBNC)
     arena.write(blocks=[PageSlab(0, 0), PageSlab(1, 1)])
-    assert arena.stats.copies == len(ATTENTION) * 2  # two heads, one run
+    assert arena.stats.copies == len(ATTENTION) * 2 * 2  # two heads, two pages
 
 
 def test_kernel_block_views_are_regrouped_into_pages() -> None:
@@ -189,8 +201,8 @@ def test_consecutive_image_slabs_merge_copies() -> None:
     scattered.write(images=[ImageCopy(4, tuple(range(2 * count, 0, -2)))])
     consecutive.write(images=[ImageCopy(4, tuple(range(count)))])
     planes = sum(len(layer.planes) for layer in consecutive.layout.layers if layer.is_state)
-    assert consecutive.stats.copies == planes
-    assert scattered.stats.copies > planes
+    assert scattered.stats.copies > consecutive.stats.copies
+    assert consecutive.stats.copies <= planes  # at most one range a plane
 
 
 def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,9 +214,9 @@ def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.M
     issued: list[tuple[str | None, int]] = []
     issue = arena._issue
 
-    def spy(steps, stream_index, events_per_step):  # type: ignore[no-untyped-def]
-        issued.extend((step.layer, len(step.copies)) for step in steps)
-        return issue(steps, stream_index, events_per_step)
+    def spy(steps, stream_index, to_host):  # type: ignore[no-untyped-def]
+        issued.extend((step.layer, len(step.ranges)) for step in steps)
+        return issue(steps, stream_index, to_host)
 
     monkeypatch.setattr(arena, "_issue", spy)
     arena.restore(

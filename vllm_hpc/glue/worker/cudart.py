@@ -1,12 +1,12 @@
 """The CUDA runtime calls the host tier needs and PyTorch does not expose.
 
-- `cudaMemcpy2DAsync` (`cudaMemcpyAsync` for one range): a run of consecutive pages moves as
-  one strided copy per plane. PyTorch's `copy_` between a strided host view and a strided
-  device view stages through unpinned temporaries and blocks the CPU, so it cannot overlap a
-  restore with compute.
-- `cudaMemcpyBatchAsync` (CUDA 12.8+): a batch's thousands of byte ranges in one call. Issued one
-  call a range from Python, a burst's write-through costs the engine's one thread several
-  milliseconds a step (`benchmarks/results/gpu_load.md`, run 5).
+- `cudaMemcpyBatchAsync` (CUDA 12.8+): a batch's thousands of byte ranges in one call, taken
+  straight from the planner's arrays. Issued one call a range from Python, a burst's
+  write-through costs the engine's one thread several milliseconds a step
+  (`benchmarks/results/gpu_load.md`, run 5).
+- `cudaMemcpyAsync`: the fallback, one call a range. PyTorch's `copy_` between a strided host
+  view and a strided device view stages through unpinned temporaries and blocks the CPU, so it
+  cannot overlap a restore with compute.
 - `cudaHostRegister` / `cudaHostUnregister`: PyTorch's pinned allocator rounds every allocation
   up to a power of two, which would cost up to twice a chunk's size; registering ordinary memory
   pins exactly the bytes asked for.
@@ -20,10 +20,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
-_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 _SRC_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType
 _PREFER_OVERLAP = 1  # cudaMemcpyFlagPreferOverlapWithCompute
@@ -52,9 +52,6 @@ class CudaRuntime:
         major = str(torch.version.cuda).split(".")[0]
         self._lib = ctypes.CDLL(f"libcudart.so.{major}")
         lib = self._lib
-        lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cudaMemcpy2DAsync.argtypes += [ctypes.c_size_t] * 3 + [ctypes.c_int, ctypes.c_void_p]
-        lib.cudaMemcpy2DAsync.restype = ctypes.c_int
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         lib.cudaMemcpyAsync.argtypes += [ctypes.c_int, ctypes.c_void_p]
         lib.cudaMemcpyAsync.restype = ctypes.c_int
@@ -62,12 +59,6 @@ class CudaRuntime:
         lib.cudaHostRegister.restype = ctypes.c_int
         lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cudaHostUnregister.restype = ctypes.c_int
-        lib.cudaDeviceGetAttribute.argtypes = [
-            ctypes.POINTER(ctypes.c_int),
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        lib.cudaDeviceGetAttribute.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         version = ctypes.c_int()
@@ -84,21 +75,6 @@ class CudaRuntime:
             message = self._lib.cudaGetErrorString(err).decode()
             raise RuntimeError(f"{what} failed: CUDA error {err} ({message})")
 
-    def memcpy_2d_async(
-        self,
-        dst: int,
-        dst_pitch: int,
-        src: int,
-        src_pitch: int,
-        width: int,
-        height: int,
-        stream: int,
-    ) -> None:
-        err = self._lib.cudaMemcpy2DAsync(
-            dst, dst_pitch, src, src_pitch, width, height, _MEMCPY_DEFAULT, stream
-        )
-        self._check(err, "cudaMemcpy2DAsync")
-
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         err = self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
         self._check(err, "cudaMemcpyAsync")
@@ -109,27 +85,29 @@ class CudaRuntime:
 
     def memcpy_batch_async(
         self,
-        dsts: Sequence[int],
-        srcs: Sequence[int],
-        sizes: Sequence[int],
+        dsts: Sequence[int] | np.ndarray,
+        srcs: Sequence[int] | np.ndarray,
+        sizes: Sequence[int] | np.ndarray,
         to_host: bool,
         device: int,
         stream: int,
     ) -> None:
         """One call for many byte ranges between the device and pinned host memory, in stream
-        order, in any order among themselves (they never overlap)."""
+        order, in any order among themselves (they never overlap). The addresses and sizes are
+        handed over as int64 arrays, the width of the call's pointer and size_t arrays."""
         if self._batch is None:
             raise RuntimeError(f"cudaMemcpyBatchAsync needs CUDA 12.8+, not {self.version}")
-        count = len(sizes)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes)]
+        count = len(arrays[2])
+        if any(len(a) != count for a in arrays) or (count and arrays[2].min() <= 0):
+            raise ValueError("a copy batch needs as many addresses as positive sizes")
         device_side = _MemLocation(_LOCATION_DEVICE, device)
         host_side = _MemLocation(_LOCATION_HOST, 0)
         src, dst = (device_side, host_side) if to_host else (host_side, device_side)
         attributes = _MemcpyAttributes(_SRC_ORDER_STREAM, src, dst, _PREFER_OVERLAP)
         first = (ctypes.c_size_t * 1)(0)
         args: list[object] = [
-            (ctypes.c_void_p * count)(*dsts),
-            (ctypes.c_void_p * count)(*srcs),
-            (ctypes.c_size_t * count)(*sizes),
+            *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays),
             ctypes.c_size_t(count),
             ctypes.byref(attributes),
             first,
@@ -146,11 +124,3 @@ class CudaRuntime:
 
     def host_unregister(self, ptr: int) -> None:
         self._check(self._lib.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def max_pitch(self, device: torch.device) -> int:
-        """The largest pitch a 2D copy accepts on this device."""
-        value = ctypes.c_int()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        err = self._lib.cudaDeviceGetAttribute(ctypes.byref(value), _ATTR_MAX_PITCH, index)
-        self._check(err, "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
-        return int(value.value)

@@ -5,33 +5,37 @@ fills one slab, a snapshot image is split over ``image_slabs`` scattered slabs (
 ``o`` lives in slab ``o // slab_bytes``), and a tail is one block record. The slabs are pinned in
 chunks of whole slabs, at most 4 GiB each, laid out exactly as the index numbers them.
 
-Copies move runs of consecutive pages whose slabs are consecutive in one chunk as one strided
-copy per plane. On CUDA 12.8+ each part of a batch goes to the driver as its byte ranges in one
-`cudaMemcpyBatchAsync` call, checked once at start-up against the per-copy calls it replaces
-(which stay the fallback). Write-through batches run on a transfer stream; a restore runs on a
-restore stream in the order a forward pass reads it (the tail's page first, then layer by
-layer), with an event after each part, so the first prefill pass waits per layer and computes
+A batch is a list of byte ranges (`copy_ranges`: one per plane of each page, one per slab
+segment of each image plane, merged where they continue one another). On CUDA 12.8+ the ranges
+go to the driver in one `cudaMemcpyBatchAsync` call per part of a batch (a write-through batch is
+one part, a restore one per layer), checked once at start-up against the per-range calls it
+replaces (which stay the fallback). Write-through batches run on a transfer stream; a restore
+runs on a restore stream in the order a forward pass reads it (the tail's page first, then layer
+by layer), with an event after each part, so the first prefill pass waits per layer and computes
 while later layers still arrive (§6.5, §11.1). Both streams first wait for the compute stream's
 queued work: write sources and restore destinations may be touched by kernels already queued.
 
-On CPU the same byte ranges run synchronously with `copy_` over ordinary memory; waits are
-no-ops.
+On CPU the same byte ranges are moved synchronously with `memmove` over ordinary memory; waits
+are no-ops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_hpc.derived import check_host_budget
 from vllm_hpc.faults import SLOW_COPY_CYCLES, InjectedFault, armed
+from vllm_hpc.glue.worker.copy_ranges import CopyRanges, RangePlanner
 from vllm_hpc.glue.worker.cudart import CudaRuntime
-from vllm_hpc.glue.worker.host_layout import DeviceLayout, LayerPlanes, Plane
+from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
@@ -78,42 +82,18 @@ class ArenaStats:
     bytes_written: int = 0
     bytes_restored: int = 0
     copies: int = 0
-    """Copies planned: one per plane per coalesced run, one per image segment."""
+    """Byte ranges issued: one per plane of a page, one per slab segment of an image plane,
+    less those merged into the range before them."""
     write_batches: int = 0
     restore_batches: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Span:
-    storage: torch.Tensor
-    offset: int
-    pitch: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    dst: _Span
-    src: _Span
-    width: int
-    height: int
-
-    def ranges(self) -> Iterator[tuple[int, int, int]]:
-        """(destination offset, source offset, bytes) of the contiguous byte ranges it moves:
-        one, or one a row when a side is strided."""
-        dst, src, width = self.dst, self.src, self.width
-        if self.height == 1 or dst.pitch == src.pitch == width:
-            yield dst.offset, src.offset, width * self.height
-            return
-        for row in range(self.height):
-            yield dst.offset + row * dst.pitch, src.offset + row * src.pitch, width
-
-
 @dataclass
 class _Step:
-    """Copies that land together: one layer's share of a batch (or the restore's prelude)."""
+    """Ranges that land together: one layer's share of a batch (or the restore's prelude)."""
 
     layer: str | None
-    copies: list[_Copy] = field(default_factory=list)
+    ranges: CopyRanges
 
 
 @dataclass
@@ -205,14 +185,11 @@ class HostArena:
         self._release = weakref.finalize(self, _unregister, self._cuda, self.chunks)
         for index, slabs in enumerate(grid.chunk_slabs):
             self.chunks.append(self._allocate(index, slabs * grid.slab_bytes))
-        self._coalesce = True
+        self._planner = RangePlanner(layout, grid, self.chunks)
         self.batched = False
         """Whether a batch's parts go to the driver as `cudaMemcpyBatchAsync` calls."""
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         if self._cuda is not None:
-            max_pitch = self._cuda.max_pitch(layout.device)
-            pitches = [p.pitch for layer in layout.layers for p in layer.planes]
-            self._coalesce = max([grid.slab_bytes, *pitches]) <= max_pitch
             self._streams = (
                 torch.cuda.Stream(layout.device),  # write-through
                 torch.cuda.Stream(layout.device),  # restore
@@ -311,12 +288,19 @@ class HostArena:
         work. Fault point `host_write`: the batch fails before any copy is issued."""
         if armed("host_write"):
             raise InjectedFault("injected write-through failure")
-        steps = self._layer_steps(self._runs(blocks), images, to_host=True)
-        nbytes = _bytes(steps)
+        ranges = self.plan_write(blocks, images)
         self.stats.write_batches += 1
-        self.stats.bytes_written += nbytes
-        _, timing = self._issue(steps, 0, events_per_step=False, after=after)
-        return TransferHandle(nbytes, timing, self.layout.device)
+        self.stats.bytes_written += ranges.total_bytes
+        _, timing = self._issue([_Step(None, ranges)], 0, to_host=True, after=after)
+        return TransferHandle(ranges.total_bytes, timing, self.layout.device)
+
+    def plan_write(
+        self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
+    ) -> CopyRanges:
+        """The byte ranges of a write-through batch, every layer at once."""
+        pages, page_slabs = _block_arrays(blocks)
+        slots, image_slabs = self._image_arrays(images)
+        return self._planner.batch(pages, page_slabs, slots, image_slabs, to_host=True)
 
     def restore(
         self,
@@ -328,18 +312,19 @@ class HostArena:
         before the first layer's step. Fault point `host_restore`: it fails before any copy."""
         if armed("host_restore"):
             raise InjectedFault("injected restore failure")
-        runs = self._runs(blocks)
-        prelude = _Step(None)
-        for page, slab, _ in self._runs([tail] if tail is not None else []):
-            for layer in self.layout.layers:
-                if not layer.is_state:
-                    prelude.copies += self._block_copies(layer, page, slab, 1, to_host=False)
-        images = [image] if image is not None else []
-        steps = [prelude, *self._layer_steps(runs, images, to_host=False)]
-        nbytes = _bytes(steps)
+        no_slots, no_images = self._image_arrays([])
+        tail_page, tail_slab = _block_arrays([tail] if tail is not None else [])
+        prelude = self._planner.batch(tail_page, tail_slab, no_slots, no_images, to_host=False)
+        pages, page_slabs = _block_arrays(blocks)
+        slots, image_slabs = self._image_arrays([image] if image is not None else [])
+        steps = [_Step(None, prelude)]
+        for layer in self.layout.layers:
+            units, slabs = (slots, image_slabs) if layer.is_state else (pages, page_slabs)
+            steps.append(_Step(layer.name, self._planner.layer(layer.name, units, slabs, False)))
+        nbytes = sum(step.ranges.total_bytes for step in steps)
         self.stats.restore_batches += 1
         self.stats.bytes_restored += nbytes
-        events, timing = self._issue(steps, 1, events_per_step=True)
+        events, timing = self._issue(steps, 1, to_host=False)
         device = self.layout.device
         if not events:
             return RestoreHandle(nbytes, timing, None, {}, device)
@@ -347,91 +332,15 @@ class HostArena:
         layers = dict(zip(names, events[1:], strict=True))
         return RestoreHandle(nbytes, timing, events[0], layers, device)
 
-    # -- planning ---------------------------------------------------------------------------
-
-    def _layer_steps(
-        self,
-        runs: list[tuple[int, int, int]],
-        images: Sequence[ImageCopy],
-        to_host: bool,
-    ) -> list[_Step]:
-        """One step per layer in forward order: the block runs of an attention layer, the
-        images of a GDN layer."""
-        steps = []
-        for layer in self.layout.layers:
-            step = _Step(layer.name)
-            if layer.is_state:
-                for image in images:
-                    step.copies += self._image_copies(layer, image.slot, image.slabs, to_host)
-            else:
-                for page, slab, count in runs:
-                    step.copies += self._block_copies(layer, page, slab, count, to_host)
-            steps.append(step)
-        return steps
-
-    def _runs(self, blocks: Sequence[PageSlab]) -> list[tuple[int, int, int]]:
-        """(first page, first slab, count) runs of consecutive pages on consecutive slabs of
-        one chunk."""
-        runs: list[tuple[int, int, int]] = []
-        for page, slab in sorted((block.page, block.slab) for block in blocks):
-            if not 0 <= slab < self.grid.capacity or not 0 <= page < self.layout.num_pages:
-                raise IndexError(f"page {page} or slab {slab} out of range")
-            if runs and self._coalesce:
-                first_page, first_slab, count = runs[-1]
-                if (
-                    page == first_page + count
-                    and slab == first_slab + count
-                    and self.grid.location(slab)[0] == self.grid.location(first_slab)[0]
-                ):
-                    runs[-1] = (first_page, first_slab, count + 1)
-                    continue
-            runs.append((page, slab, 1))
-        return runs
-
-    def _block_copies(
-        self, layer: LayerPlanes, page: int, slab: int, count: int, to_host: bool
-    ) -> Iterator[_Copy]:
-        chunk, base = self.grid.location(slab)
-        for plane in layer.planes:
-            host = _Span(self.chunks[chunk], base + plane.record_offset, self.grid.slab_bytes)
-            device = _Span(plane.storage, plane.offset + page * plane.pitch, plane.pitch)
-            yield _pair(host, device, plane.nbytes, count, to_host)
-
-    def _image_copies(
-        self, layer: LayerPlanes, slot: int, slabs: Sequence[int], to_host: bool
-    ) -> Iterator[_Copy]:
-        if len(slabs) != self.grid.geometry.image_slabs:
-            raise ValueError(f"an image takes {self.grid.geometry.image_slabs} slabs, not {slabs}")
-        if not 0 <= slot < self.layout.num_slots:
-            raise IndexError(f"state slot {slot} out of range")
-        for plane in layer.planes:
-            for chunk, offset, done, length in self._image_segments(plane, slabs):
-                host = _Span(self.chunks[chunk], offset, length)
-                device = _Span(plane.storage, plane.offset + slot * plane.pitch + done, length)
-                yield _pair(host, device, length, 1, to_host)
-
-    def _image_segments(
-        self, plane: Plane, slabs: Sequence[int]
-    ) -> Iterator[tuple[int, int, int, int]]:
-        """(chunk, chunk offset, offset in the plane, length) of a plane's image bytes: one
-        segment per slab it touches, merged where the slabs are consecutive in one chunk."""
-        slab_bytes = self.grid.slab_bytes
-        done = 0
-        while done < plane.nbytes:
-            k, inner = divmod(plane.record_offset + done, slab_bytes)
-            chunk, base = self.grid.location(slabs[k])
-            length = slab_bytes - inner
-            while (
-                length < plane.nbytes - done
-                and k + 1 < len(slabs)
-                and slabs[k + 1] == slabs[k] + 1
-                and self.grid.location(slabs[k + 1])[0] == chunk
-            ):
-                k += 1
-                length += slab_bytes
-            length = min(length, plane.nbytes - done)
-            yield chunk, base + inner, done, length
-            done += length
+    def _image_arrays(self, images: Sequence[ImageCopy]) -> tuple[np.ndarray, np.ndarray]:
+        """The images' state slots, and their slabs as a row an image."""
+        count = self.grid.geometry.image_slabs
+        for image in images:
+            if len(image.slabs) != count:
+                raise ValueError(f"an image takes {count} slabs, not {image.slabs}")
+        slots = np.array([image.slot for image in images], dtype=np.int64)
+        slabs = np.array([image.slabs for image in images], dtype=np.int64)
+        return slots, slabs.reshape(len(images), count)
 
     # -- issuing ----------------------------------------------------------------------------
 
@@ -439,20 +348,17 @@ class HostArena:
         self,
         steps: list[_Step],
         stream_index: int,
-        events_per_step: bool,
+        to_host: bool,
         after: torch.cuda.Event | None = None,
     ) -> tuple[list[torch.cuda.Event], CopyTiming]:
         """Run the steps in order; on CUDA, on the chosen stream behind ``after`` or the
-        compute stream's queued work, with an event after each step (or only after the last)."""
-        self.stats.copies += sum(len(step.copies) for step in steps)
+        compute stream's queued work, with an event after each step."""
+        self.stats.copies += sum(len(step.ranges) for step in steps)
         if self._cuda is None or self._streams is None:
             started = time.perf_counter()
             for step in steps:
-                for copy in step.copies:
-                    for dst, src, nbytes in copy.ranges():
-                        copy.dst.storage[dst : dst + nbytes].copy_(
-                            copy.src.storage[src : src + nbytes]
-                        )
+                for dst, src, nbytes in zip(*step.ranges.as_lists(), strict=True):
+                    ctypes.memmove(dst, src, nbytes)
             return [], CopyTiming(cpu_seconds=time.perf_counter() - started)
         stream = self._streams[stream_index]
         if after is None:
@@ -466,60 +372,32 @@ class HostArena:
         start.record(stream)
         events = []
         for index, step in enumerate(steps):
-            if self.batched:
-                self._issue_batch(step, stream)
-            else:
-                self._issue_each(step, stream)
-            last = index == len(steps) - 1
-            if events_per_step or last:
-                event = torch.cuda.Event(enable_timing=last)
-                event.record(stream)
-                events.append(event)
-        return events, CopyTiming(start, events[-1] if events else None)
+            self._issue_ranges(step.ranges, to_host, stream)
+            event = torch.cuda.Event(enable_timing=index == len(steps) - 1)
+            event.record(stream)
+            events.append(event)
+        return events, CopyTiming(start, events[-1])
 
-    def _issue_batch(self, step: _Step, stream: torch.cuda.Stream) -> None:
+    def _issue_ranges(self, ranges: CopyRanges, to_host: bool, stream: torch.cuda.Stream) -> None:
         assert self._cuda is not None
-        if not step.copies:
+        if not len(ranges):
             return
-        dsts: list[int] = []
-        srcs: list[int] = []
-        sizes: list[int] = []
-        for copy in step.copies:
-            dst_base = copy.dst.storage.data_ptr()
-            src_base = copy.src.storage.data_ptr()
-            for dst, src, nbytes in copy.ranges():
-                dsts.append(dst_base + dst)
-                srcs.append(src_base + src)
-                sizes.append(nbytes)
-        to_host = step.copies[0].src.storage.is_cuda
-        index = self.layout.device.index or 0
-        self._cuda.memcpy_batch_async(dsts, srcs, sizes, to_host, index, stream.cuda_stream)
-
-    def _issue_each(self, step: _Step, stream: torch.cuda.Stream) -> None:
-        assert self._cuda is not None
-        for copy in step.copies:
-            dst = copy.dst.storage.data_ptr() + copy.dst.offset
-            src = copy.src.storage.data_ptr() + copy.src.offset
-            if copy.height == 1:
-                self._cuda.memcpy_async(dst, src, copy.width, stream.cuda_stream)
-            else:
-                self._cuda.memcpy_2d_async(
-                    dst,
-                    copy.dst.pitch,
-                    src,
-                    copy.src.pitch,
-                    copy.width,
-                    copy.height,
-                    stream.cuda_stream,
-                )
+        if self.batched:
+            index = self.layout.device.index or 0
+            self._cuda.memcpy_batch_async(
+                ranges.dst, ranges.src, ranges.nbytes, to_host, index, stream.cuda_stream
+            )
+            return
+        for dst, src, nbytes in zip(*ranges.as_lists(), strict=True):
+            self._cuda.memcpy_async(dst, src, nbytes, stream.cuda_stream)
 
 
-def _pair(host: _Span, device: _Span, width: int, height: int, to_host: bool) -> _Copy:
-    return _Copy(host, device, width, height) if to_host else _Copy(device, host, width, height)
-
-
-def _bytes(steps: list[_Step]) -> int:
-    return sum(c.width * c.height for step in steps for c in step.copies)
+def _block_arrays(blocks: Sequence[PageSlab]) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks' pages, in page order, and their slabs as a row a block."""
+    pairs = np.array([(block.page, block.slab) for block in blocks], dtype=np.int64)
+    pairs = pairs.reshape(-1, 2)
+    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    return pairs[:, 0], pairs[:, 1:]
 
 
 def _unregister(runtime: CudaRuntime | None, chunks: list[torch.Tensor]) -> None:

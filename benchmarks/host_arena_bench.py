@@ -132,7 +132,7 @@ def main() -> None:
     if ap.parse_args().plan_only:
         plan_only()
         return
-    layout = build_layout(torch.device("cuda"), 1024)
+    layout = build_layout(torch.device("cuda"), RESTORE_BLOCKS)
     geometry = layout.geometry
     print(
         f"block record {geometry.block_bytes / 2**20:.2f} MiB, image "
@@ -188,7 +188,7 @@ def main() -> None:
         f"per-layer waits {both * 1e3:.1f} ms (one after the other: {(compute + copy) * 1e3:.1f})"
     )
     many = random.Random(1).sample(range(capacity), RESTORE_BLOCKS)
-    pairs = [PageSlab(page % layout.num_pages, slab) for page, slab in enumerate(many)]
+    pairs = [PageSlab(page, slab) for page, slab in enumerate(many)]
     torch.cuda.synchronize()
     start = time.perf_counter()
     handle = arena.restore(blocks=pairs)

@@ -126,8 +126,9 @@ def test_block_record_is_layer_major_in_forward_order() -> None:
     ],
 )
 def test_a_batch_moves_one_range_per_page_and_plane(pages: list[int], slabs: list[int]) -> None:
-    """A page's plane sits beside the other layers' planes in its slab, so no two pages'
-    ranges continue one another on the host side, whatever the order of pages and slabs."""
+    """One range a page and layer, whatever the order of pages and slabs: in the layer-outer
+    layout a page's bytes of one layer lie a whole layer apart from the next layer's, so a
+    page's planes never continue one another on the device side."""
     arena = cpu_arena(slabs_per_chunk=8)
     arena.write(blocks=_pairs(pages, slabs))
     assert arena.stats.copies == len(pages) * len(ATTENTION)
@@ -203,6 +204,34 @@ def test_consecutive_image_slabs_merge_copies() -> None:
     planes = sum(len(layer.planes) for layer in consecutive.layout.layers if layer.is_state)
     assert scattered.stats.copies > consecutive.stats.copies
     assert consecutive.stats.copies <= planes  # at most one range a plane
+
+
+def test_ranges_never_cross_a_chunk_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks an allocator placed back to back: an image on consecutive slabs over the edge
+    between chunks 0 and 1 continues in memory there, but each chunk is registered on its own,
+    so its ranges stop at the edge; the image still round-trips."""
+    kv, pool = _kv_caches(torch.bfloat16, KVCacheLayout.LBHNC), _state_pool()
+    device = DeviceLayout.bind(kv, NUM_PAGES, pool)
+    slab, per_chunk = device.geometry.slab_bytes, 16
+    memory = torch.zeros(40 * slab, dtype=torch.uint8)
+
+    def adjacent(arena: HostArena, index: int, nbytes: int) -> torch.Tensor:
+        return memory[index * per_chunk * slab :][:nbytes]
+
+    monkeypatch.setattr(HostArena, "_allocate", adjacent)
+    arena = HostArena(device, SlabGrid(device.geometry, 40, per_chunk))
+    count = device.geometry.image_slabs
+    image = ImageCopy(4, tuple(range(per_chunk - count // 2, per_chunk - count // 2 + count)))
+    ranges = arena.plan_write(images=[image])
+    base = memory.data_ptr()
+    first = (ranges.dst - base) // (per_chunk * slab)
+    last = (ranges.dst + ranges.nbytes - 1 - base) // (per_chunk * slab)
+    assert (first == last).all() and set(first.tolist()) == {0, 1}
+    arena.write(images=[image])
+    arena.restore(image=ImageCopy(1, image.slabs))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_slot_bytes(pool, 1), _slot_bytes(pool, 4), strict=True)
+    )
 
 
 def test_restore_runs_prelude_then_layers_in_forward_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,7 +88,7 @@ def test_snapshot_images_and_tails_take_whole_slabs_through_the_index() -> None:
 
 def test_a_freed_run_comes_back_ascending() -> None:
     """The free list is a stack; a run freed and taken again must not come back reversed, or
-    the binding could not copy consecutive pages to it as one copy."""
+    an image written to it could not move as one byte range a plane."""
     pool = HostSlabPool(64 * 4096, HostGeometry(block_bytes=4096, image_bytes=8192))
     run = pool.allocate(8, SlabUse.NODE)
     assert run == sorted(run)

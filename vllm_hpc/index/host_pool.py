@@ -108,7 +108,7 @@ class HostSlabPool:
     def allocate(self, count: int, use: SlabUse) -> list[SlabId] | None:
         """``count`` slabs in ascending order, or None when fewer are free (the caller evicts
         first). Ascending, because the free stack hands back recently freed runs reversed, and
-        the binding copies consecutive pages to consecutive slabs as one copy."""
+        an image on consecutive slabs moves as one byte range a plane, or fewer."""
         assert use is not SlabUse.FREE
         if count > len(self._free):
             return None

@@ -2,14 +2,17 @@
 
 A finishing wave of a 256-request burst on the Qwen3.5-27B shape writes 16 requests' blocks
 (18 pages over 16 attention layers) and endpoint images (96 state planes, each split at slab
-edges): about 6,400 ranges. Built one Python object a range, that took 20-25 ms of the engine's
-one thread a wave, the size of the burst's whole decode-tail gap (`gpu_load.md`, run 10). Here
-a plane's ranges for every page or image of a batch come from one vector expression over the
-batch's page, slot and slab numbers, so planning a wave costs well under a millisecond.
+edges): 5,000-7,000 ranges. Built one Python object a copy, planning and issuing that took 54 ms
+of the engine's one thread a wave on the H200, the size of the burst's decode-tail gap
+(`gpu_load.md`, run 10). Here a kind's ranges (pages, or images) for every layer of a batch come
+from one array expression over the batch's page, slot and slab numbers: planning a wave takes
+0.2-0.7 ms.
 
 Every range is (absolute destination address, absolute source address, bytes), the form
-`cudaMemcpyBatchAsync` takes. Ranges that continue one another on both sides are merged, which
-is what moving a snapshot image over consecutive slabs as one copy per plane used to be.
+`cudaMemcpyBatchAsync` takes. Ranges that continue one another on both sides, in one host chunk,
+are merged, so an image over consecutive slabs moves as one range per plane or fewer. A range
+never crosses a chunk edge: each chunk is registered with the driver on its own, and one
+transfer over two registrations is not something the driver promises to accept.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class CopyRanges:
     """Byte ranges, as int64 arrays of one length: addresses fit in 63 bits on every platform
     PyTorch runs on, so the arrays pass to the driver as its pointer and size arrays."""
@@ -60,12 +63,15 @@ class CopyRanges:
             np.concatenate([p.nbytes for p in parts]),
         )
 
-    def merged(self) -> CopyRanges:
-        """Runs of ranges that each start where the one before ended, on both sides, as one."""
+    def merged(self, fences: np.ndarray | None = None) -> CopyRanges:
+        """Runs of ranges that each start where the one before ended, on both sides, as one;
+        with ``fences`` (a label a range), only ranges of one label join."""
         if len(self) < 2:
             return self
         ends_dst, ends_src = self.dst[:-1] + self.nbytes[:-1], self.src[:-1] + self.nbytes[:-1]
         joins = (ends_dst == self.dst[1:]) & (ends_src == self.src[1:])
+        if fences is not None:
+            joins &= fences[:-1] == fences[1:]
         if not joins.any():
             return self
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
@@ -166,14 +172,17 @@ class RangePlanner:
     ) -> CopyRanges:
         if not len(units) or not len(segments.length):
             return CopyRanges.empty()
-        if units.min() < 0 or units.max() >= segments.units:
-            raise IndexError(f"page or state slot out of range in {units.tolist()}")
-        if slabs.min() < 0 or slabs.max() >= self._capacity:
-            raise IndexError(f"slab out of range in {slabs.tolist()}")
+        bad_unit = units[(units < 0) | (units >= segments.units)]
+        if len(bad_unit):
+            raise IndexError(f"page or state slot {bad_unit[0]} out of range")
+        bad_slab = slabs[(slabs < 0) | (slabs >= self._capacity)]
+        if len(bad_slab):
+            raise IndexError(f"slab {bad_slab[0]} out of range")
         chunk, index = np.divmod(slabs, self._slabs_per_chunk)
         bases = self._chunk_base[chunk] + index * self._slab_bytes
         host = bases[:, segments.slab_index] + segments.slab_offset
         device = segments.device + units[:, None] * segments.pitch
         sizes = np.broadcast_to(segments.length, host.shape)
         dst, src = (host, device) if to_host else (device, host)
-        return CopyRanges(dst.ravel(), src.ravel(), sizes.ravel()).merged()
+        chunks = chunk[:, segments.slab_index].ravel()
+        return CopyRanges(dst.ravel(), src.ravel(), sizes.ravel()).merged(fences=chunks)

@@ -252,7 +252,7 @@ class HostArena:
                     slab.zero_()  # what comes back must be the device's copy
         except RuntimeError as error:
             logger.warning(
-                "hybrid-prefix host tier: batched copies unavailable (%s); one call a copy",
+                "hybrid-prefix host tier: batched copies unavailable (%s); one call a range",
                 error,
             )
             return False
@@ -262,7 +262,7 @@ class HostArena:
         if not same:
             logger.warning(
                 "hybrid-prefix host tier: cudaMemcpyBatchAsync moved the wrong bytes in its "
-                "start-up check; one call a copy"
+                "start-up check; one call a range"
             )
         return same
 

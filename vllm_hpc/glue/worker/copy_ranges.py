@@ -95,15 +95,24 @@ class _Segments:
     """Which of the record's slabs holds the piece."""
     slab_offset: np.ndarray
     length: np.ndarray
-    units: int
-    """How many units (pages, or state slots) there are."""
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int, int, int]], units: int) -> _Segments:
+    def of(cls, rows: list[tuple[int, int, int, int, int]]) -> _Segments:
         device, pitch, slab_index, slab_offset, length = (
             np.array(rows, dtype=np.int64).reshape(-1, 5).T
         )
-        return cls(device, pitch, slab_index, slab_offset, length, units)
+        return cls(device, pitch, slab_index, slab_offset, length)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Records:
+    """The units (pages, or state slots) of a batch and their records' slabs, checked and
+    located once for every layer: ``units[i]``'s record starts each of its slabs at host
+    address ``bases[i, k]``, in chunk ``chunks[i, k]``."""
+
+    units: np.ndarray
+    bases: np.ndarray
+    chunks: np.ndarray
 
 
 class RangePlanner:
@@ -113,76 +122,64 @@ class RangePlanner:
     def __init__(
         self, layout: DeviceLayout, grid: SlabGrid, chunks: Sequence[torch.Tensor]
     ) -> None:
-        self._capacity = grid.capacity
-        self._slab_bytes = grid.slab_bytes
-        self._slabs_per_chunk = grid.slabs_per_chunk
+        self._grid = grid
         self._chunk_base = np.array([c.data_ptr() for c in chunks], dtype=np.int64)
+        self._units = {False: layout.num_pages, True: layout.num_slots}
         rows = {layer.name: self._rows(layer.planes) for layer in layout.layers}
-        units = {False: layout.num_pages, True: layout.num_slots}
-        self._layers = {
-            layer.name: _Segments.of(rows[layer.name], units[layer.is_state])
-            for layer in layout.layers
-        }
+        self._layers = {name: _Segments.of(r) for name, r in rows.items()}
         self._pages, self._images = (
-            _Segments.of(
-                [r for x in layout.layers if x.is_state == state for r in rows[x.name]],
-                units[state],
-            )
+            _Segments.of([r for x in layout.layers if x.is_state == state for r in rows[x.name]])
             for state in (False, True)
         )
 
     def _rows(self, planes: Sequence[Plane]) -> list[tuple[int, int, int, int, int]]:
         """(device address, pitch, slab, offset in it, length) of each piece of the planes: a
         record's packed byte ``o`` lives in its slab ``o // slab_bytes``."""
+        slab_bytes = self._grid.slab_bytes
         rows = []
         for plane in planes:
             device, done = plane.storage.data_ptr() + plane.offset, 0
             while done < plane.nbytes:
-                k, inner = divmod(plane.record_offset + done, self._slab_bytes)
-                length = min(self._slab_bytes - inner, plane.nbytes - done)
+                k, inner = divmod(plane.record_offset + done, slab_bytes)
+                length = min(slab_bytes - inner, plane.nbytes - done)
                 rows.append((device + done, plane.pitch, k, inner, length))
                 done += length
         return rows
 
-    def layer(self, name: str, units: np.ndarray, slabs: np.ndarray, to_host: bool) -> CopyRanges:
-        """One layer's ranges for each unit (``units[i]``, a page or a state slot) and its
-        record's slabs (``slabs[i]``, a row of one slab for a block, of the image's slabs for an
-        image), unit by unit."""
-        return self._ranges(self._layers[name], units, slabs, to_host)
+    def records(self, units: np.ndarray, slabs: np.ndarray, state: bool) -> Records:
+        """``units[i]`` (pages, or with ``state`` state slots) with its record's slabs
+        ``slabs[i]`` (one for a block, the image's for an image), checked and located."""
+        bad_unit = units[(units < 0) | (units >= self._units[state])]
+        if len(bad_unit):
+            raise IndexError(f"{'state slot' if state else 'page'} {bad_unit[0]} out of range")
+        bad_slab = slabs[(slabs < 0) | (slabs >= self._grid.capacity)]
+        if len(bad_slab):
+            raise IndexError(f"slab {bad_slab[0]} out of range")
+        chunks, offsets = self._grid.location(slabs)
+        return Records(units, self._chunk_base[chunks] + offsets, chunks)
 
-    def batch(
-        self,
-        pages: np.ndarray,
-        page_slabs: np.ndarray,
-        slots: np.ndarray,
-        image_slabs: np.ndarray,
-        to_host: bool,
-    ) -> CopyRanges:
+    def layer(self, name: str, records: Records, to_host: bool) -> CopyRanges:
+        """One layer's ranges, unit by unit."""
+        return _ranges(self._layers[name], records, to_host)
+
+    def pages(self, records: Records, to_host: bool) -> CopyRanges:
+        """Every attention layer's ranges for the blocks, block by block."""
+        return _ranges(self._pages, records, to_host)
+
+    def batch(self, blocks: Records, images: Records, to_host: bool) -> CopyRanges:
         """Every layer's ranges for the blocks and the images of a batch, in one expression
         each: block by block, then image by image."""
         return CopyRanges.concat(
-            [
-                self._ranges(self._pages, pages, page_slabs, to_host),
-                self._ranges(self._images, slots, image_slabs, to_host),
-            ]
+            [self.pages(blocks, to_host), _ranges(self._images, images, to_host)]
         )
 
-    def _ranges(
-        self, segments: _Segments, units: np.ndarray, slabs: np.ndarray, to_host: bool
-    ) -> CopyRanges:
-        if not len(units) or not len(segments.length):
-            return CopyRanges.empty()
-        bad_unit = units[(units < 0) | (units >= segments.units)]
-        if len(bad_unit):
-            raise IndexError(f"page or state slot {bad_unit[0]} out of range")
-        bad_slab = slabs[(slabs < 0) | (slabs >= self._capacity)]
-        if len(bad_slab):
-            raise IndexError(f"slab {bad_slab[0]} out of range")
-        chunk, index = np.divmod(slabs, self._slabs_per_chunk)
-        bases = self._chunk_base[chunk] + index * self._slab_bytes
-        host = bases[:, segments.slab_index] + segments.slab_offset
-        device = segments.device + units[:, None] * segments.pitch
-        sizes = np.broadcast_to(segments.length, host.shape)
-        dst, src = (host, device) if to_host else (device, host)
-        chunks = chunk[:, segments.slab_index].ravel()
-        return CopyRanges(dst.ravel(), src.ravel(), sizes.ravel()).merged(fences=chunks)
+
+def _ranges(segments: _Segments, records: Records, to_host: bool) -> CopyRanges:
+    if not len(records.units) or not len(segments.length):
+        return CopyRanges.empty()
+    host = records.bases[:, segments.slab_index] + segments.slab_offset
+    device = segments.device + records.units[:, None] * segments.pitch
+    sizes = np.broadcast_to(segments.length, host.shape)
+    dst, src = (host, device) if to_host else (device, host)
+    chunks = records.chunks[:, segments.slab_index].ravel()
+    return CopyRanges(dst.ravel(), src.ravel(), sizes.ravel()).merged(fences=chunks)

@@ -27,19 +27,22 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from vllm_hpc.derived import check_host_budget
 from vllm_hpc.faults import SLOW_COPY_CYCLES, InjectedFault, armed
-from vllm_hpc.glue.worker.copy_ranges import CopyRanges, RangePlanner
+from vllm_hpc.glue.worker.copy_ranges import CopyRanges, RangePlanner, Records
 from vllm_hpc.glue.worker.cudart import CudaRuntime
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.index import HostGeometry, HostSlabPool
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 logger = logging.getLogger("vllm.vllm_hpc")
+
+Slabs = TypeVar("Slabs", int, np.ndarray)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +72,8 @@ class SlabGrid:
         full, rest = divmod(self.capacity, self.slabs_per_chunk)
         return (self.slabs_per_chunk,) * full + ((rest,) if rest else ())
 
-    def location(self, slab: int) -> tuple[int, int]:
-        """(chunk, byte offset in that chunk) of a slab."""
+    def location(self, slab: Slabs) -> tuple[Slabs, Slabs]:
+        """(chunk, byte offset in that chunk) of a slab, or of each of an array of slabs."""
         chunk, index = divmod(slab, self.slabs_per_chunk)
         return chunk, index * self.slab_bytes
 
@@ -298,9 +301,9 @@ class HostArena:
         self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
     ) -> CopyRanges:
         """The byte ranges of a write-through batch, every layer at once."""
-        pages, page_slabs = _block_arrays(blocks)
-        slots, image_slabs = self._image_arrays(images)
-        return self._planner.batch(pages, page_slabs, slots, image_slabs, to_host=True)
+        return self._planner.batch(
+            self._block_records(blocks), self._image_records(images), to_host=True
+        )
 
     def restore(
         self,
@@ -312,15 +315,13 @@ class HostArena:
         before the first layer's step. Fault point `host_restore`: it fails before any copy."""
         if armed("host_restore"):
             raise InjectedFault("injected restore failure")
-        no_slots, no_images = self._image_arrays([])
-        tail_page, tail_slab = _block_arrays([tail] if tail is not None else [])
-        prelude = self._planner.batch(tail_page, tail_slab, no_slots, no_images, to_host=False)
-        pages, page_slabs = _block_arrays(blocks)
-        slots, image_slabs = self._image_arrays([image] if image is not None else [])
-        steps = [_Step(None, prelude)]
+        tails = self._block_records([tail] if tail is not None else [])
+        pages = self._block_records(blocks)
+        images = self._image_records([image] if image is not None else [])
+        steps = [_Step(None, self._planner.pages(tails, to_host=False))]
         for layer in self.layout.layers:
-            units, slabs = (slots, image_slabs) if layer.is_state else (pages, page_slabs)
-            steps.append(_Step(layer.name, self._planner.layer(layer.name, units, slabs, False)))
+            records = images if layer.is_state else pages
+            steps.append(_Step(layer.name, self._planner.layer(layer.name, records, False)))
         nbytes = sum(step.ranges.total_bytes for step in steps)
         self.stats.restore_batches += 1
         self.stats.bytes_restored += nbytes
@@ -332,15 +333,22 @@ class HostArena:
         layers = dict(zip(names, events[1:], strict=True))
         return RestoreHandle(nbytes, timing, events[0], layers, device)
 
-    def _image_arrays(self, images: Sequence[ImageCopy]) -> tuple[np.ndarray, np.ndarray]:
-        """The images' state slots, and their slabs as a row an image."""
+    def _block_records(self, blocks: Sequence[PageSlab]) -> Records:
+        """The blocks' pages, in page order, and their slabs, located."""
+        pairs = np.array([(block.page, block.slab) for block in blocks], dtype=np.int64)
+        pairs = pairs.reshape(-1, 2)
+        pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+        return self._planner.records(pairs[:, 0], pairs[:, 1:], state=False)
+
+    def _image_records(self, images: Sequence[ImageCopy]) -> Records:
+        """The images' state slots and their slabs (a row an image), located."""
         count = self.grid.geometry.image_slabs
         for image in images:
             if len(image.slabs) != count:
                 raise ValueError(f"an image takes {count} slabs, not {image.slabs}")
         slots = np.array([image.slot for image in images], dtype=np.int64)
         slabs = np.array([image.slabs for image in images], dtype=np.int64)
-        return slots, slabs.reshape(len(images), count)
+        return self._planner.records(slots, slabs.reshape(len(images), count), state=True)
 
     # -- issuing ----------------------------------------------------------------------------
 
@@ -390,14 +398,6 @@ class HostArena:
             return
         for dst, src, nbytes in zip(*ranges.as_lists(), strict=True):
             self._cuda.memcpy_async(dst, src, nbytes, stream.cuda_stream)
-
-
-def _block_arrays(blocks: Sequence[PageSlab]) -> tuple[np.ndarray, np.ndarray]:
-    """The blocks' pages, in page order, and their slabs as a row a block."""
-    pairs = np.array([(block.page, block.slab) for block in blocks], dtype=np.int64)
-    pairs = pairs.reshape(-1, 2)
-    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
-    return pairs[:, 0], pairs[:, 1:]
 
 
 def _unregister(runtime: CudaRuntime | None, chunks: list[torch.Tensor]) -> None:

@@ -127,3 +127,30 @@ def test_dense_in_pass_taps_serve_deep_edits(llm: Any, cold: Any) -> None:
         assert cut - 1024 < out.num_cached_tokens <= cut, (cut, out.num_cached_tokens)
         assert_same_up_to_near_tie(out, cold, edit, 16)
     cache_of(llm).audit()
+
+
+def test_a_chunk_short_of_a_block_waits_for_the_next_step(
+    llm: Any, cold: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts arrive together and the first leaves 36 tokens of the step's budget: the
+    second does not take them (its next chunk would start off the 64-token grid, where no tap
+    is saved in the pass) but waits for the next step; both decode as cold runs do."""
+    llm.reset_prefix_cache()
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    limits: list[tuple[int, int, int]] = []
+    chunk_limit = manager.chunk_limit
+
+    def recorded(request: Any, start: int, num_new_tokens: int) -> int:
+        size = chunk_limit(request, start, num_new_tokens)
+        limits.append((start, num_new_tokens, size))
+        return size
+
+    monkeypatch.setattr(manager, "chunk_limit", recorded)
+    prompts = [random_prompt(76, CHUNK - 36), random_prompt(77, 3000)]
+    params = [greedy_params(8), greedy_params(8)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert (0, 36, 0) in limits
+    assert not [s for s in limits if s[0] == 0 and 0 < s[2] < 64], limits
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert_same_up_to_near_tie(out, cold, prompt, 8)
+    cache_of(llm).audit()

@@ -29,6 +29,7 @@ def make_cache(
     snapshot_slots: int = 24,
     max_new_taps: int = 16,
     lane_rows: int = 1,
+    chunk_tokens: int = CHUNK,
 ) -> HybridPrefixCache:
     policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
     policy = TapPolicy(
@@ -53,7 +54,7 @@ def make_cache(
             index=index,
             active_cap=active_slots,
             tap_policy=policy,
-            chunk_tokens=CHUNK,
+            chunk_tokens=chunk_tokens,
             in_pass_taps=in_pass,
             lane_rows=lane_rows,
         )

@@ -93,3 +93,22 @@ def test_chunks_end_on_block_boundaries_so_later_chunks_tap_in_the_pass() -> Non
 def test_without_in_pass_taps_chunks_keep_the_whole_budget() -> None:
     chunks, _ = prefill(make_cache(in_pass=False), prompt(2500), budget=1000)
     assert chunks[0] == (0, 1000)
+
+
+def test_a_chunk_that_cannot_reach_a_block_boundary_waits() -> None:
+    """What is left of a step's budget after other requests may not reach the next boundary:
+    the chunk then waits for the next step (0) rather than leave the prompt's next chunk off
+    the 64-token grid; the prompt's last chunk and a budget below one block run as given."""
+    cache = make_cache(in_pass=True)
+    assert cache.chunk_limit([], 0, 40, 1000) == 0  # a new request: the step's last 40 tokens
+    assert cache.chunk_limit([], 960, 40, 2500) == 0
+    assert cache.chunk_limit([], 950, 5, 2500) == 0  # an unaligned start (an endpoint resume)
+    assert cache.chunk_limit([], 950, 40, 2500) == 10  # reaches the boundary at 960
+    assert cache.chunk_limit([], 960, 40, 1000) == 40  # ends the prompt
+    assert make_cache(in_pass=False).chunk_limit([], 0, 40, 1000) == 40
+
+
+def test_a_budget_below_one_block_still_schedules_short_chunks() -> None:
+    chunks, _ = prefill(make_cache(in_pass=True, chunk_tokens=48), prompt(200), budget=48)
+    assert chunks[:2] == [(0, 48), (48, 64)]
+    assert chunks[-1][1] == 200

@@ -73,7 +73,9 @@ class HybridPrefixCache:
         self.index = PrefixIndex(config.index)
         self.pipeline = StepPipeline(self.index, config.index.geometry)
         self.admission = Admission(config, self.index, self.pipeline)
-        self.captures = Captures(self.index, self.pipeline, self.admission, config.in_pass_taps)
+        self.captures = Captures(
+            self.index, self.pipeline, self.admission, config.in_pass_taps, config.chunk_tokens
+        )
         self.audits = AuditCounters()
         """Kept by the glue's cache audit, reported with the rest."""
         self.file = FileCounters()

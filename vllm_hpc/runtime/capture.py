@@ -28,12 +28,19 @@ if TYPE_CHECKING:
 
 class Captures:
     def __init__(
-        self, index: PrefixIndex, pipeline: StepPipeline, admission: Admission, in_pass: bool
+        self,
+        index: PrefixIndex,
+        pipeline: StepPipeline,
+        admission: Admission,
+        in_pass: bool,
+        chunk_tokens: int,
     ) -> None:
         self.index = index
         self.pipeline = pipeline
         self.admission = admission
         self.in_pass_taps = in_pass
+        self.chunk_tokens = chunk_tokens
+        """The most tokens one request's chunk gets in a step (`RuntimeConfig.chunk_tokens`)."""
         self.retiring: list[Lane] = []
         """Finished lanes waiting for their captures to publish before they release."""
 
@@ -49,13 +56,16 @@ class Captures:
         self, taps: Sequence[PlannedTap], start: int, num_new_tokens: int, num_prompt_tokens: int
     ) -> int:
         """Shorten a chunk starting at ``start`` so it ends at the next exact tap that cannot be
-        captured inside the pass, if any.
+        captured inside the pass, if any; 0 when the request should wait for the next step.
 
         Where taps are captured inside a pass, a chunk that ends inside the prompt also ends on
-        a block boundary (giving up fewer than 64 tokens of the step): the next chunk then
-        starts on one, where its taps can be captured in the pass. Without this, one chunk
-        ending elsewhere (the step's budget shared with other requests) would leave every
-        later chunk of the prompt without in-pass taps.
+        a block boundary: the next chunk then starts on one, where its taps can be captured in
+        the pass. Without this, one chunk ending elsewhere (the step's budget shared with other
+        requests) would leave the prompt's next chunk without in-pass taps. When what is left
+        of the step's budget does not reach the next boundary, the request waits for the next
+        step, as under vLLM's own "align" mode with its larger blocks: a step gives up fewer
+        than 64 tokens. Only a budget below one block keeps such a chunk, since the request
+        would otherwise never run.
         """
         end = start + num_new_tokens
         for tap in taps:
@@ -63,8 +73,8 @@ class Captures:
                 return tap.position - start
         if self.in_pass_taps and end < num_prompt_tokens:
             aligned = end - end % BLOCK_TOKENS
-            if aligned > start:
-                return aligned - start
+            if aligned > start or self.chunk_tokens >= BLOCK_TOKENS:
+                return max(aligned - start, 0)
         return num_new_tokens
 
     def _in_pass(self, start: int, position: int) -> bool:

@@ -41,7 +41,8 @@ class RuntimeConfig:
     state row of the device page space while it runs; row 0 is the workers' scratch."""
     tap_policy: TapPolicy
     chunk_tokens: int
-    """The scheduler's token budget per step: a new request's first chunk is at most this."""
+    """The most tokens one request's prefill chunk gets in a step (the scheduler's budget, or
+    vLLM's long-prefill threshold): a new request's first chunk is at most this."""
     prefix_reuse: bool = True
     """False (--no-prefix-reuse): nothing is looked up, inserted or captured."""
     in_pass_taps: bool = False

@@ -53,6 +53,14 @@ that tests of a whole server (whose cache they cannot reach) see a broken invari
 engine. Off, it costs one test per step."""
 
 
+def prefill_chunk_tokens(scheduler_config: Any) -> int:
+    """The most tokens one request's prefill chunk can get in a step: the scheduler's budget, or
+    vLLM's long-prefill threshold when one is set (vLLM raises that only to a fair share)."""
+    budget = scheduler_config.max_num_scheduled_tokens or scheduler_config.max_num_batched_tokens
+    threshold = scheduler_config.long_prefill_token_threshold
+    return min(budget, threshold) if threshold > 0 else budget
+
+
 @dataclass
 class _NoCoordinator:
     """vLLM reads `coordinator.single_type_managers` for per-group block sizes; none apply."""
@@ -94,7 +102,7 @@ class HybridPrefixKVCacheManager:
             image_bytes=state_spec.image_bytes,
             max_seqs=vllm_config.scheduler_config.max_num_seqs,
             max_model_len=max_model_len,
-            chunk=vllm_config.scheduler_config.max_num_batched_tokens,
+            chunk=prefill_chunk_tokens(vllm_config.scheduler_config),
             in_pass=state_spec.in_pass_taps,
             lane_rows=1 + state_spec.num_speculative_blocks,
         )
@@ -213,7 +221,7 @@ class HybridPrefixKVCacheManager:
 
     def chunk_limit(self, request: Any, start: int, num_new_tokens: int) -> int:
         """The chunk [start, start + n) shortened to end at the request's next exact tap (or
-        on a block boundary: `HybridPrefixCache.chunk_limit`)."""
+        on a block boundary: `HybridPrefixCache.chunk_limit`); 0: it waits for the next step."""
         lane = self.lanes.get(request.request_id)
         lookup = self._lookups.get(request.request_id)
         taps = lane.taps if lane is not None else lookup.taps if lookup is not None else []

@@ -104,7 +104,9 @@ class _HybridPrefixMixin:
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        """End the chunk at the request's next exact tap (§7.1), or on a block boundary."""
+        """End the chunk at the request's next exact tap (§7.1), or on a block boundary; 0 when
+        the budget left reaches neither, and vLLM leaves the request for the next step (a
+        running one is skipped; the waiting queue's head stops the queue, never overtaken)."""
         start = request.num_computed_tokens or (
             num_new_local_computed_tokens + num_external_computed_tokens
         )

@@ -3,9 +3,9 @@
 Under a burst of cold prompts hybrid-prefix fills each step to `max_num_batched_tokens`
 (16,384 rows), while vLLM's align mode cuts chunks at its 400-token blocks (about 16,200
 rows). cuBLAS picks a GEMM kernel by shape, so the cost of a row can differ between the two
-counts. This times the model's projections (bf16, weights [K, N] from the config) at each row
-count and prints the step's GEMM time and its cost per row, the layers weighted by how many
-the model has.
+counts. This times the model's projections at each row count (bf16 `F.linear` with [N, K]
+weights, as vLLM's unquantized layers call it: cuBLAS picks by the layout too) and prints the
+step's GEMM time and its cost per row, the layers weighted by how many the model has.
 
     python3 benchmarks/gemm_rows.py --model .gpu/model27b --rows 16208,16305,16336,16384
 """
@@ -51,16 +51,16 @@ def main() -> None:
     print(f"|---|{'---|' * len(rows)}")
     totals = dict.fromkeys(rows, 0.0)
     for name, layers, k, n in projections(config):
-        weight = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)  # [out, in], as vLLM
         cells = []
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for _ in range(3):
-                torch.mm(x, weight)
+                torch.nn.functional.linear(x, weight)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.repeats):
-                torch.mm(x, weight)
+                torch.nn.functional.linear(x, weight)
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end) / args.repeats

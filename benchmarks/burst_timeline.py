@@ -1,0 +1,108 @@
+"""The timeline of a burst from `benchmarks/load.py`'s records: when first tokens come, how long
+the decode tail is, and how the finishing waves are spaced.
+
+A burst's throughput gap can sit in the prefill steps (first tokens come in groups, one group a
+saturated step), in the decode tail, or in the finishing steps (requests end in waves, one wave
+a step). The summary's figures mix the three; this splits them, per engine of each report.
+
+    python3 benchmarks/burst_timeline.py benchmarks/results/gpu_load_run11_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GROUP_GAP_S = 0.3
+"""First tokens further apart than this belong to different prefill steps (a step is ~1.4 s)."""
+
+WAVE_GAP_S = 0.005
+"""Last tokens further apart than this belong to different finishing steps (a step is >10 ms)."""
+
+LONG_GAP_S = 0.060
+"""A gap between finishing waves longer than this is listed one by one."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    groups: int
+    group_interval_s: float
+    last_first_token_s: float
+    decode_tail_s: float
+    waves: int
+    waves_span_s: float
+    wave_gaps_s: list[float]
+
+
+def clusters(times: list[float], gap: float) -> list[list[float]]:
+    """``times`` sorted and cut wherever two neighbours are more than ``gap`` apart."""
+    out: list[list[float]] = []
+    for t in sorted(times):
+        if out and t - out[-1][-1] <= gap:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
+def timeline(records: list[dict[str, Any]]) -> Timeline:
+    arrival = min(r["scheduled_ts"] - r["queued_s"] for r in records)
+    first = [r["scheduled_ts"] - r["queued_s"] + r["ttft_s"] - arrival for r in records]
+    last = [r["last_token_ts"] - arrival for r in records]
+    groups = clusters(first, GROUP_GAP_S)
+    starts = [g[0] for g in groups]
+    intervals = [b - a for a, b in itertools.pairwise(starts)]
+    # The finishing waves: requests ending after the last first token, one wave a step.
+    waves = clusters([t for t in last if t > max(first)], WAVE_GAP_S)
+    return Timeline(
+        groups=len(groups),
+        group_interval_s=statistics.median(intervals) if intervals else 0.0,
+        last_first_token_s=max(first),
+        decode_tail_s=max(last) - max(first),
+        waves=len(waves),
+        waves_span_s=waves[-1][-1] - waves[0][0] if waves else 0.0,
+        wave_gaps_s=[b[0] - a[-1] for a, b in itertools.pairwise(waves)],
+    )
+
+
+def describe(name: str, t: Timeline) -> list[str]:
+    long_gaps = [
+        f"after wave {i + 1}: {g * 1e3:.0f} ms"
+        for i, g in enumerate(t.wave_gaps_s)
+        if g > LONG_GAP_S
+    ]
+    short = [g for g in t.wave_gaps_s if g <= LONG_GAP_S]
+    return [
+        f"{name}",
+        f"  first-token groups {t.groups}, median interval {t.group_interval_s:.3f} s,"
+        f" last first token {t.last_first_token_s:.2f} s after the arrival",
+        f"  decode tail (last first token to last token) {t.decode_tail_s:.3f} s",
+        f"  finishing waves {t.waves} over {t.waves_span_s:.3f} s;"
+        + (f" other gaps {min(short) * 1e3:.0f}-{max(short) * 1e3:.0f} ms" if short else ""),
+        f"  gaps over {LONG_GAP_S * 1e3:.0f} ms: " + ("; ".join(long_gaps) or "none"),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reports", nargs="+", type=Path, help="load.json files of benchmarks/load.py")
+    args = ap.parse_args()
+    for path in args.reports:
+        report = json.loads(path.read_text())
+        for e in report["engines"]:
+            workloads = (e.get("result") or {}).get("workloads", {})
+            for wname, w in workloads.items():
+                if not wname.startswith("burst"):
+                    continue
+                budget = e["facts"]["max_num_batched_tokens"]
+                name = f"{path.name}: {e['config']} ({wname}, budget {budget})"
+                print("\n".join(describe(name, timeline(w["records"]))))
+
+
+if __name__ == "__main__":
+    main()

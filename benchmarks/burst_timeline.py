@@ -21,8 +21,8 @@ from typing import Any
 GROUP_GAP_S = 0.3
 """First tokens further apart than this belong to different prefill steps (a step is ~1.4 s)."""
 
-WAVE_GAP_S = 0.005
-"""Last tokens further apart than this belong to different finishing steps (a step is >10 ms)."""
+WAVE_GAP_S = 0.010
+"""Last tokens further apart than this belong to different finishing steps (each over 10 ms)."""
 
 LONG_GAP_S = 0.060
 """A gap between finishing waves longer than this is listed one by one."""

@@ -30,6 +30,8 @@ LONG_GAP_S = 0.060
 
 @dataclass(frozen=True)
 class Timeline:
+    """One burst's phases, in seconds after its first request arrived."""
+
     groups: int
     group_interval_s: float
     last_first_token_s: float
@@ -51,19 +53,20 @@ def clusters(times: list[float], gap: float) -> list[list[float]]:
 
 
 def timeline(records: list[dict[str, Any]]) -> Timeline:
-    arrival = min(r["scheduled_ts"] - r["queued_s"] for r in records)
-    first = [r["scheduled_ts"] - r["queued_s"] + r["ttft_s"] - arrival for r in records]
-    last = [r["last_token_ts"] - arrival for r in records]
+    arrivals = [r["scheduled_ts"] - r["queued_s"] for r in records]
+    start = min(arrivals)
+    first = [a + r["ttft_s"] - start for a, r in zip(arrivals, records, strict=True)]
+    last = [r["last_token_ts"] - start for r in records]
+    last_first = max(first)
     groups = clusters(first, GROUP_GAP_S)
-    starts = [g[0] for g in groups]
-    intervals = [b - a for a, b in itertools.pairwise(starts)]
+    intervals = [b[0] - a[0] for a, b in itertools.pairwise(groups)]
     # The finishing waves: requests ending after the last first token, one wave a step.
-    waves = clusters([t for t in last if t > max(first)], WAVE_GAP_S)
+    waves = clusters([t for t in last if t > last_first], WAVE_GAP_S)
     return Timeline(
         groups=len(groups),
         group_interval_s=statistics.median(intervals) if intervals else 0.0,
-        last_first_token_s=max(first),
-        decode_tail_s=max(last) - max(first),
+        last_first_token_s=last_first,
+        decode_tail_s=max(last) - last_first,
         waves=len(waves),
         waves_span_s=waves[-1][-1] - waves[0][0] if waves else 0.0,
         wave_gaps_s=[b[0] - a[-1] for a, b in itertools.pairwise(waves)],
@@ -78,7 +81,7 @@ def describe(name: str, t: Timeline) -> list[str]:
     ]
     short = [g for g in t.wave_gaps_s if g <= LONG_GAP_S]
     return [
-        f"{name}",
+        name,
         f"  first-token groups {t.groups}, median interval {t.group_interval_s:.3f} s,"
         f" last first token {t.last_first_token_s:.2f} s after the arrival",
         f"  decode tail (last first token to last token) {t.decode_tail_s:.3f} s",

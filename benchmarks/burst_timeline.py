@@ -4,6 +4,12 @@ the decode tail is, and how the finishing waves are spaced.
 A burst's throughput gap can sit in the prefill steps (first tokens come in groups, one group a
 saturated step), in the decode tail, or in the finishing steps (requests end in waves, one wave
 a step). The summary's figures mix the three; this splits them, per engine of each report.
+It also cuts the requests' first-scheduled times into step starts. A step that starts no new
+request is not seen, so these mark every step only where each step starts prompts whole, as
+hybrid-prefix's do; native's align mode spreads a prompt over steps, and its intervals may pair
+up (about 2.0 and 0.7 s) with no pause. A late start followed by a short interval is either a
+pause of the engine core that the GPU did not wait for (under async scheduling a step is
+scheduled while the one before it runs) or a step that started no prompt.
 
     python3 benchmarks/burst_timeline.py benchmarks/results/gpu_load_run11_*.json
 """
@@ -27,6 +33,10 @@ WAVE_GAP_S = 0.010
 LONG_GAP_S = 0.060
 """A gap between finishing waves longer than this is listed one by one."""
 
+LATE_START = 1.25
+"""An interval between step starts over this many times their median is listed as late (from
+the second step on: the first interval holds the burst's admission and is longer anyway)."""
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -34,6 +44,10 @@ class Timeline:
 
     groups: int
     group_interval_s: float
+    step_starts: int
+    step_interval_s: float
+    late_starts: list[tuple[float, float]]
+    """(when the late step started, the interval before it), seconds."""
     last_first_token_s: float
     decode_tail_s: float
     waves: int
@@ -60,11 +74,21 @@ def timeline(records: list[dict[str, Any]]) -> Timeline:
     last_first = max(first)
     groups = clusters(first, GROUP_GAP_S)
     intervals = [b[0] - a[0] for a, b in itertools.pairwise(groups)]
+    starts = [c[0] for c in clusters([r["scheduled_ts"] - start for r in records], GROUP_GAP_S)]
+    step_intervals = [b - a for a, b in itertools.pairwise(starts)]
+    step_interval = statistics.median(step_intervals) if step_intervals else 0.0
     # The finishing waves: requests ending after the last first token, one wave a step.
     waves = clusters([t for t in last if t > last_first], WAVE_GAP_S)
     return Timeline(
         groups=len(groups),
         group_interval_s=statistics.median(intervals) if intervals else 0.0,
+        step_starts=len(starts),
+        step_interval_s=step_interval,
+        late_starts=[
+            (b, b - a)
+            for a, b in itertools.pairwise(starts[1:])
+            if b - a > LATE_START * step_interval
+        ],
         last_first_token_s=last_first,
         decode_tail_s=max(last) - last_first,
         waves=len(waves),
@@ -80,10 +104,13 @@ def describe(name: str, t: Timeline) -> list[str]:
         if g > LONG_GAP_S
     ]
     short = [g for g in t.wave_gaps_s if g <= LONG_GAP_S]
+    late = [f"at {when:.2f} s after {gap:.3f} s" for when, gap in t.late_starts]
     return [
         name,
         f"  first-token groups {t.groups}, median interval {t.group_interval_s:.3f} s,"
         f" last first token {t.last_first_token_s:.2f} s after the arrival",
+        f"  scheduler's step starts {t.step_starts}, median interval {t.step_interval_s:.3f} s;"
+        f" late: {'; '.join(late) or 'none'}",
         f"  decode tail (last first token to last token) {t.decode_tail_s:.3f} s",
         f"  finishing waves {t.waves} over {t.waves_span_s:.3f} s;"
         + (f" other gaps {min(short) * 1e3:.0f}-{max(short) * 1e3:.0f} ms" if short else ""),

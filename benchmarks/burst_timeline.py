@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 GROUP_GAP_S = 0.3
-"""First tokens further apart than this belong to different prefill steps (a step is ~1.4 s)."""
+"""First tokens, or first-scheduled times, further apart than this belong to different prefill
+steps (a step is ~1.4 s)."""
 
 WAVE_GAP_S = 0.010
 """Last tokens further apart than this belong to different finishing steps (each over 10 ms)."""
@@ -68,13 +69,13 @@ def clusters(times: list[float], gap: float) -> list[list[float]]:
 
 def timeline(records: list[dict[str, Any]]) -> Timeline:
     arrivals = [r["scheduled_ts"] - r["queued_s"] for r in records]
-    start = min(arrivals)
-    first = [a + r["ttft_s"] - start for a, r in zip(arrivals, records, strict=True)]
-    last = [r["last_token_ts"] - start for r in records]
+    origin = min(arrivals)
+    first = [a + r["ttft_s"] - origin for a, r in zip(arrivals, records, strict=True)]
+    last = [r["last_token_ts"] - origin for r in records]
     last_first = max(first)
     groups = clusters(first, GROUP_GAP_S)
     intervals = [b[0] - a[0] for a, b in itertools.pairwise(groups)]
-    starts = [c[0] for c in clusters([r["scheduled_ts"] - start for r in records], GROUP_GAP_S)]
+    starts = [c[0] for c in clusters([r["scheduled_ts"] - origin for r in records], GROUP_GAP_S)]
     step_intervals = [b - a for a, b in itertools.pairwise(starts)]
     step_interval = statistics.median(step_intervals) if step_intervals else 0.0
     # The finishing waves: requests ending after the last first token, one wave a step.

@@ -24,6 +24,7 @@ def main() -> None:
     from triton.testing import do_bench
     from vllm.third_party.flash_linear_attention.ops.chunk_o import chunk_fwd_kernel_o, chunk_fwd_o
     from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="a directory with config.json")
@@ -43,7 +44,7 @@ def main() -> None:
         for n in (n for n in lengths if n):
             bounds.append(bounds[-1] + n)
         cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
-        chunks = prepare_chunk_indices(cu, 64)
+        chunks = prepare_chunk_indices(cu, FLA_CHUNK_SIZE)
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         return dict(
             q=torch.randn(1, tokens, hg, k_dim, **bf16),
@@ -77,7 +78,7 @@ def main() -> None:
             Hg=hg,
             K=k_dim,
             V=v_dim,
-            BT=64,
+            BT=FLA_CHUNK_SIZE,
             USE_G=True,
             IS_VARLEN=True,
             num_warps=cfg.num_warps,
@@ -88,9 +89,10 @@ def main() -> None:
     tuner = chunk_fwd_kernel_o  # heuristics outside, then the autotuner, then the kernel
     while not hasattr(tuner, "configs"):
         tuner = tuner.fn
-    small, large = inputs(64), inputs(args.tokens)
+    # vLLM's warm-up is one chunk long.
+    small, large = inputs(FLA_CHUNK_SIZE), inputs(args.tokens)
     name = {}
-    print(f"| configuration | 64 tokens (us) | {args.tokens} tokens (ms) |")
+    print(f"| configuration | {FLA_CHUNK_SIZE} tokens (us) | {args.tokens} tokens (ms) |")
     print("|---|---|---|")
     cost = {}
     for cfg in tuner.configs:

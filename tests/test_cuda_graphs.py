@@ -7,7 +7,7 @@ one by one against a cold run (a tap with a tail, an endpoint, a deep edit, a ho
 sessions resumed together), and then one batch sequence mixes
 decodes, resumed prefills, host restores (one of them a one-token resume, which vLLM replays as
 a FULL decode graph, where no layer wait runs) and aborts; every answer is checked against a
-cold run.
+cold run. The GDN prefill kernels were tuned on whole prompts before vLLM's warm-up.
 """
 
 from __future__ import annotations
@@ -97,6 +97,28 @@ def test_every_cudagraph_mode_starts_and_resumes_exactly(
         assert second.num_cached_tokens >= 1024
         for out, asked in (*zip(firsts, prompts, strict=True), (second, turn)):
             assert_same_up_to_near_tie(out, cold, asked, ANSWER)
+
+
+def _tuned_shapes(worker: Any) -> list[tuple[Any, ...]]:
+    from vllm_hpc.glue.worker.kernel_tuning import tuned_shapes
+
+    return sorted(tuned_shapes, key=str)
+
+
+def test_the_gdn_prefill_kernels_are_tuned_on_whole_prompts(graphs: Any) -> None:
+    """vLLM's warm-up tunes FLA's kernels on one 64-token chunk; the plugin's GDN layers tune
+    them on a few 1,024-token prompts first, once for the model's one GDN shape."""
+    model = graphs.llm_engine.vllm_config.model_config
+    text = model.hf_text_config
+    assert graphs.collective_rpc(_tuned_shapes)[0] == [
+        (
+            text.linear_num_key_heads,
+            text.linear_num_value_heads,
+            text.linear_key_head_dim,
+            text.linear_value_head_dim,
+            model.dtype,
+        )
+    ]
 
 
 def test_resume_paths_under_full_and_piecewise_match_cold_runs(graphs: Any, cold: Any) -> None:

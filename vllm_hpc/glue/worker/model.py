@@ -11,7 +11,9 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
   builds GDN metadata for it, the "block id" it hands the layer for a request is the request's
   state row, and the spec carries the state's size to the scheduler.
 - On CUDA with vLLM's FLA (Triton) prefill kernel, a GDN layer also saves the step's in-pass
-  captures (`vllm_hpc.glue.worker.in_pass`), and the spec tells the scheduler it can.
+  captures (`vllm_hpc.glue.worker.in_pass`), and the spec tells the scheduler it can; and
+  its kernels are tuned on a prefill step's shape before vLLM's one-chunk warm-up
+  (`vllm_hpc.glue.worker.kernel_tuning`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
+from vllm_hpc.glue.worker.kernel_tuning import tune_prefill_kernels
 from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
 
@@ -131,6 +134,12 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """The pool binds every layer at once (it needs the attention layers' pages)."""
+
+    def _warmup_prefill_kernels(self, qkv_or_qkvz: torch.Tensor, v_dim: int) -> None:
+        """Tune FLA's kernels on a prefill step's shape before vLLM's one-chunk warm-up."""
+        if not self._prefill_kernels_warmed_up and self.gdn_prefill_backend == "triton":
+            tune_prefill_kernels(self, qkv_or_qkvz, v_dim)
+        super()._warmup_prefill_kernels(qkv_or_qkvz, v_dim)
 
     # vLLM's GDN custom ops (CUDA) call one of these to read and write the states: the first
     # pass after a host restore waits here for this layer's part of it (§6.5).

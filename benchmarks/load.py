@@ -16,9 +16,11 @@ vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every reques
   ``--user-len`` new tokens. Reported per turn: hit rate (cached / prompt tokens), TTFT p50 / p95,
   output tok/s. Sessions run in the engine of ``--max-num-seqs``, after its bursts.
 - ``--profile-steps K`` (off by default): after an engine's workloads, the first burst's prompts
-  again, stepped by hand: the first three (prefill) steps run under vLLM's torch profiler; once
-  every request decodes, K decode steps are timed, then K more are profiled, and from the first
-  finish on, the steps in which the requests finish (up to 48). Reported: the mean decode step
+  again, stepped by hand: up to four prefill steps timed, then three under vLLM's torch profiler
+  (a burst too small for seven full steps times fewer, and its table says how many of the
+  profiled steps were prefill ones); once every request decodes, K decode steps are timed, then
+  K more are profiled, and from the first finish on, the steps in which the requests finish (up
+  to 48). Reported: the mean decode step
   (ms, unprofiled) and vLLM's kernel tables (``profile_<config>_<max_num_seqs>_prefill.txt``,
   ``profile_<config>_<max_num_seqs>.txt`` and ``..._finish.txt`` in ``--out``), so a gap in
   the burst can be traced to its kernels and copies.
@@ -345,7 +347,8 @@ def profile_dir(config: str, max_num_seqs: int) -> Path:
 
 
 PREFILL_TIMED_STEPS = 4
-"""Prefill steps timed, without the profiler, when ``--profile-steps`` starts."""
+"""Prefill steps timed, without the profiler, when ``--profile-steps`` starts (fewer when the
+burst's prompts fill fewer than these and the profiled ones: those must be prefill steps)."""
 PREFILL_PROFILE_STEPS = 3
 """Prefill steps profiled next (full-budget chunks of the burst)."""
 FINISH_PROFILE_STEPS = 48
@@ -392,8 +395,11 @@ def step_profile(
         prompt = random_prompt(SEED_PROFILE + i, args.burst_len, vocab)
         engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
     tag = f"{e['config']}_{e['max_num_seqs']}"
+    full_steps = -(-n * args.burst_len // e["facts"]["max_num_batched_tokens"])
+    timed = max(0, min(PREFILL_TIMED_STEPS, full_steps - PREFILL_PROFILE_STEPS))
+    held = min(PREFILL_PROFILE_STEPS, full_steps - timed)
     prefill_ms = []
-    for _ in range(PREFILL_TIMED_STEPS):
+    for _ in range(timed):
         start = time.perf_counter()
         engine.step()
         prefill_ms.append((time.perf_counter() - start) * 1000)
@@ -403,7 +409,8 @@ def step_profile(
         e,
         out,
         f"profile_{tag}_prefill.txt",
-        f"the first {PREFILL_PROFILE_STEPS} steps after {n} prompts arrive together",
+        f"the {PREFILL_PROFILE_STEPS} steps after the first {timed} once {n} prompts arrived "
+        f"together (about {held} of them prefill)",
         PREFILL_PROFILE_STEPS,
     )
     prefill_s = time.perf_counter() - start
@@ -432,7 +439,8 @@ def step_profile(
     while engine.has_unfinished_requests():
         engine.step()
     log(
-        f"  profile: prefill steps {', '.join(f'{t:.0f}' for t in prefill_ms)} ms; "
+        f"  profile: prefill steps {', '.join(f'{t:.0f}' for t in prefill_ms) or '(none)'} ms "
+        f"timed; "
         f"{step_ms:.2f} ms per decode step at {n} requests; {finish_steps} finishing steps "
         f"profiled; tables profile_{tag}*.txt"
     )

@@ -20,10 +20,10 @@ vLLM's defaults (torch.compile and CUDA graphs) unless ``--eager``. Every reques
   (a burst too small for seven full steps times fewer, and its table says how many of the
   profiled steps were prefill ones); once every request decodes, K decode steps are timed, then
   K more are profiled, and from the first finish on, the steps in which the requests finish (up
-  to 48). Reported: the mean decode step
-  (ms, unprofiled) and vLLM's kernel tables (``profile_<config>_<max_num_seqs>_prefill.txt``,
-  ``profile_<config>_<max_num_seqs>.txt`` and ``..._finish.txt`` in ``--out``), so a gap in
-  the burst can be traced to its kernels and copies.
+  to 48). Reported: the mean decode step (ms, unprofiled) and vLLM's kernel tables
+  (``profile_<config>_<max_num_seqs>_prefill.txt``, ``profile_<config>_<max_num_seqs>.txt`` and
+  ``..._finish.txt`` in ``--out``), so a gap in the burst can be traced to its kernels and
+  copies.
 
 Targets (the report's last table): per burst, output tok/s >= 0.98x native and TTFT p50 / p95
 <= 1.0x; sessions: hit rate >= native on every turn and TTFT p50 <= 0.6x native on every turn
@@ -440,8 +440,7 @@ def step_profile(
         engine.step()
     log(
         f"  profile: prefill steps {', '.join(f'{t:.0f}' for t in prefill_ms) or '(none)'} ms "
-        f"timed; "
-        f"{step_ms:.2f} ms per decode step at {n} requests; {finish_steps} finishing steps "
+        f"timed; {step_ms:.2f} ms per decode step at {n} requests; {finish_steps} finishing steps "
         f"profiled; tables profile_{tag}*.txt"
     )
     return {

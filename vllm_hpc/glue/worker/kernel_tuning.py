@@ -41,7 +41,6 @@ def tune_prefill_kernels(layer: Any, qkv_or_qkvz: torch.Tensor, v_dim: int) -> N
     """
     num_k_heads = layer.num_k_heads // layer.tp_size
     num_v_heads = layer.num_v_heads // layer.tp_size
-    _, state_dtype = layer.get_state_dtype()
     key = (num_k_heads, num_v_heads, layer.head_k_dim, layer.head_v_dim, qkv_or_qkvz.dtype)
     if key in tuned_shapes:
         return
@@ -60,6 +59,7 @@ def tune_prefill_kernels(layer: Any, qkv_or_qkvz: torch.Tensor, v_dim: int) -> N
         apply_l2norm=True,
         output_g_exp=False,
     )
+    _, state_dtype = layer.get_state_dtype()
     states = torch.zeros(
         TUNE_PROMPTS,
         num_v_heads,

@@ -101,6 +101,26 @@ def test_malformed_cache_hint_is_a_client_error(server: str) -> None:
     assert _complete(server, random_prompt(seed=4, length=100), 4)["choices"]  # still serving
 
 
+def test_a_breakpoint_beyond_the_prompt_is_a_client_error(server: str) -> None:
+    """A position past the prompt's last token is a 400 naming the field and the prompt's
+    length; one at the last token is served."""
+    prompt = random_prompt(seed=5, length=200)
+    for beyond in (201, 10_000_000):
+        body = {
+            "model": model_id(server),
+            "prompt": prompt,
+            "max_tokens": 4,
+            "vllm_xargs": {"cache_breakpoints": [64, beyond]},
+        }
+        status, answer = post(server, body)
+        assert status == 400, answer
+        message = answer["error"]["message"]
+        assert "cache_breakpoints" in message and "200 tokens" in message, message
+    body["vllm_xargs"] = {"cache_breakpoints": [64, 200]}
+    status, answer = post(server, body)
+    assert status == 200, answer
+
+
 def _text(seed: int, words: int) -> str:
     """Words of the tiny model's tokenizer (``w0``, ``w1``, ...), one token each."""
     rng = random.Random(seed)
@@ -243,7 +263,7 @@ def _hostile_bodies(model: str, seed: int) -> list[tuple[str, bytes]]:
     ]
     if not torch.cuda.is_available():  # vLLM's CPU kernel: see vllm_hpc/glue/frontend/token_ids.py
         cases.append(body("prompt", prompt=[rng.randrange(vocab)]))
-    for wrong in ("soon", 5, [1.5], [-1], [0], [[64]], {"at": 64}, [64] * 100, None):
+    for wrong in ("soon", 5, [1.5], [-1], [0], [[64]], {"at": 64}, [64] * 100, None, [10**7]):
         cases.append(body("cache_breakpoints", vllm_xargs={"cache_breakpoints": wrong}))
     cases += [
         ("json", b'{"model": "x", "prompt": [1, 2'),

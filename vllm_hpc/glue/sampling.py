@@ -1,5 +1,6 @@
 """Per-request cache hints in `SamplingParams.extra_args`, validated where vLLM validates
-requests, so a bad hint is the client's 400 error and never reaches the engine.
+requests, so a bad hint is the client's 400 error and never reaches the engine: their form with
+the sampling parameters, their range once the prompt's length is known.
 
     SamplingParams(..., extra_args={"cache_breakpoints": [1024, 2048]})
     # OpenAI API: {"vllm_xargs": {"cache_breakpoints": [1024, 2048]}}
@@ -33,19 +34,46 @@ def parse_breakpoints(extra_args: Any) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def breakpoints_beyond(breakpoints: tuple[int, ...], prompt_len: int) -> str | None:
+    """Why ``breakpoints`` cannot mark a prompt of ``prompt_len`` tokens, or None."""
+    if not breakpoints or breakpoints[-1] <= prompt_len:
+        return None
+    return (
+        f"{BREAKPOINTS_KEY} position {breakpoints[-1]} is beyond the prompt's {prompt_len} tokens"
+    )
+
+
 @InstallOnce
 def install_sampling_params_hook() -> None:
-    """Check the hints when vLLM checks a request's sampling parameters."""
+    """Check the hints' form when vLLM checks a request's sampling parameters, and their range
+    when it has made the request of a prompt."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
+    from vllm.utils import length_from_prompt_token_ids_or_embeds
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    original = SamplingParams._verify_args
+    original_verify = SamplingParams._verify_args
+    original_process = InputProcessor.process_inputs
 
     def verify_args(self: Any) -> None:
-        original(self)
+        original_verify(self)
         try:
             parse_breakpoints(self.extra_args)
         except ValueError as error:
             raise VLLMValidationError(str(error), parameter=BREAKPOINTS_KEY) from None
 
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = original_process(self, *args, **kwargs)
+        if request.sampling_params is not None:
+            reason = breakpoints_beyond(
+                parse_breakpoints(request.sampling_params.extra_args),
+                length_from_prompt_token_ids_or_embeds(
+                    request.prompt_token_ids, request.prompt_embeds
+                ),
+            )
+            if reason is not None:
+                raise VLLMValidationError(reason, parameter=BREAKPOINTS_KEY)
+        return request
+
     SamplingParams._verify_args = verify_args
+    InputProcessor.process_inputs = process_inputs

@@ -221,6 +221,32 @@ def test_an_endpoint_holds_the_state_a_prefill_leaves(speculative: Any) -> None:
     _assert_endpoint_state(speculative, prompt + tokens(out))
 
 
+STOP_AT = 60
+"""Where the stop token is forced: far enough past the prompt's tail tap (640) for an endpoint
+(64 tokens, §7.7)."""
+ALTERNATING = (11, 12)
+STOP_TOKEN = 13
+
+
+def stop_token_at(at: int) -> Any:
+    """Greedy parameters that end the answer with `STOP_TOKEN` once ``at`` tokens are out,
+    whatever a random-weight model prefers: the answer may hold two other tokens only, and the
+    stop token is held back until then (``min_tokens``); a frequency penalty of 2 makes the two
+    alternate, so by then each lies about ``at`` below the untouched stop token (60 logits: far
+    more than the tiny models' logits differ), which then wins."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=SPECULATIVE_ANSWER,
+        temperature=0.0,
+        detokenize=False,
+        allowed_token_ids=[*ALTERNATING, STOP_TOKEN],
+        min_tokens=at,
+        stop_token_ids=[STOP_TOKEN],
+        frequency_penalty=2.0,
+    )
+
+
 def test_an_endpoint_after_a_stop_token_holds_the_state_a_prefill_leaves(
     speculative: Any,
 ) -> None:
@@ -228,16 +254,17 @@ def test_an_endpoint_after_a_stop_token_holds_the_state_a_prefill_leaves(
     next step is in flight then, and the endpoint is taken from that step's first row (the
     state after the last known token) once it has run."""
     prompt = random_prompt(seed=810, length=650)
-    answer = tokens(speculative_run(speculative, prompt, salt=f"stop-{next(SALTS)}")[0])
-    # Far enough past the prompt's tail tap (640) for an endpoint (64 tokens, §7.7).
-    at = next(i for i in range(60, len(answer)) if answer[i] not in answer[:i])
-    params = greedy_params(SPECULATIVE_ANSWER)
-    params.stop_token_ids = [answer[at]]
-    out = speculative.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    assert tokens(out) == answer[: at + 1]
-    frontier = _assert_endpoint_state(speculative, prompt + tokens(out))
+    request = {"prompt_token_ids": prompt}
+    out = speculative.generate([request], stop_token_at(STOP_AT), use_tqdm=False)[0]
+    answer = tokens(out)
+    assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+    assert answer[-1] == STOP_TOKEN and STOP_TOKEN not in answer[:-1], answer
+    # Under async scheduling vLLM's min_tokens counts the drafts in flight as already out.
+    assert STOP_AT - DRAFTS <= len(answer) - 1 <= STOP_AT, answer
+    assert set(answer[:-1]) == set(ALTERNATING), answer  # no token repeats into a fixed point
+    frontier = _assert_endpoint_state(speculative, prompt + answer)
     if speculative.llm_engine.vllm_config.scheduler_config.async_scheduling:
-        assert frontier == len(prompt) + at + 1  # taken after the step in flight ran
+        assert frontier == len(prompt) + len(answer)  # taken after the step in flight ran
 
 
 def _assert_endpoint_state(llm: Any, known: list[int]) -> int:

@@ -395,6 +395,6 @@ def test_prefix_cache_file_requires_hybrid_prefix(tmp_path: Path) -> None:
 def test_each_data_parallel_engine_core_has_its_own_cache_file() -> None:
     from vllm_hpc.derived import cache_file_path
 
-    assert cache_file_path("/c/cache.bin", 0, 1) == "/c/cache.bin"
-    assert cache_file_path("/c/cache.bin", 1, 2) == "/c/cache.dp1.bin"
-    assert cache_file_path("/c.d/cache", 0, 2) == "/c.d/cache.dp0"
+    assert cache_file_path("/c/cache.bin", 0) == "/c/cache.bin"
+    assert cache_file_path("/c/cache.bin", 1) == "/c/cache.dp1.bin"
+    assert cache_file_path("/c.d/cache", 2) == "/c.d/cache.dp2"

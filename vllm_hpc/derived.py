@@ -163,17 +163,18 @@ def save_grace_seconds(host_cache_mib: int) -> float:
     return SAVE_GRACE_SECONDS + host_cache_mib / SAVE_RATE_MIB_S
 
 
-def cache_file_path(path: str, data_parallel_rank: int, data_parallel_size: int) -> str:
+def cache_file_path(path: str, data_parallel_index: int) -> str:
     """The `--prefix-cache-file` one engine core saves and loads. With data parallelism every
-    engine core has its own cache, so each gets its own file beside the named one:
-    ``cache.bin`` becomes ``cache.dp0.bin``, ``cache.dp1.bin``, ...; one engine core uses
-    ``path`` itself."""
-    if data_parallel_size <= 1:
+    engine core has its own cache, so each gets its own file: engine core 0 uses ``path``
+    itself, engine core k > 0 a file beside it (``cache.bin``: ``cache.dp1.bin``, ...). Only the
+    engine core's index names it: vLLM makes each non-MoE data-parallel engine core a DP=1
+    engine (`reconfigure_for_independent_dp_rank`) and keeps only the index."""
+    if data_parallel_index == 0:
         return path
     stem, dot, suffix = path.rpartition(".")
     if not dot or "/" in suffix:
-        return f"{path}.dp{data_parallel_rank}"
-    return f"{stem}.dp{data_parallel_rank}.{suffix}"
+        return f"{path}.dp{data_parallel_index}"
+    return f"{stem}.dp{data_parallel_index}.{suffix}"
 
 
 def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:

@@ -84,9 +84,7 @@ class _HybridPrefixMixin:
         self.prefix_cache_file = (
             PrefixCacheFile(
                 cache_file_path(
-                    options.prefix_cache_file,
-                    vllm_config.parallel_config.data_parallel_rank,
-                    vllm_config.parallel_config.data_parallel_size,
+                    options.prefix_cache_file, vllm_config.parallel_config.data_parallel_index
                 ),
                 engine_fingerprint(vllm_config),
                 self.kv_cache_manager.cache,

@@ -153,11 +153,7 @@ class ConnectorWorker:
         pool.restores = self._restores
         if options.prefix_cache_file is not None:
             parallel = self._vllm_config.parallel_config
-            path = cache_file_path(
-                options.prefix_cache_file,
-                parallel.data_parallel_rank,
-                parallel.data_parallel_size,
-            )
+            path = cache_file_path(options.prefix_cache_file, parallel.data_parallel_index)
             self._preload = Preload(path, self._arena, tensor_parallel_rank())
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:

@@ -60,11 +60,11 @@ def running_server(
 ) -> Iterator[tuple[str, int]]:
     """An OpenAI server with hybrid-prefix on ``model`` (eager, or vLLM's default torch.compile
     and CUDA graphs when ``eager`` is false), with vLLM's options ``extra``; yields its base URL
-    and process id. It audits the cache at every engine step, which costs
-    time in proportion to the device pages and host slabs: unless ``extra`` sizes them, the
-    server gets `SERVER_PAGES` and `SERVER_HOST_MIB` (with a 0.2 memory share of a 24 GiB
-    machine and the default 8 GiB host tier, the audit took 0.4 s a step: 32 s for 80 tokens,
-    against 2.4 s with these)."""
+    and process id, which is also its process group's id. It audits the cache at every engine
+    step, which costs time in proportion to the device pages and host slabs: unless ``extra``
+    sizes them, the server gets `SERVER_PAGES` and `SERVER_HOST_MIB` (with a 0.2 memory share
+    of a 24 GiB machine and the default 8 GiB host tier, the audit took 0.4 s a step: 32 s for
+    80 tokens, against 2.4 s with these)."""
     port = free_port()
     if "--num-gpu-blocks-override" not in extra:
         extra = (*extra, "--num-gpu-blocks-override", str(SERVER_PAGES))
@@ -92,8 +92,10 @@ def running_server(
         *extra,
     ]
     env = {**os.environ, AUDIT_ENV: "1"}
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with log.open("w") as out:  # a process group of its own, as a terminal or systemd gives it
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + START_TIMEOUT_S

@@ -1,21 +1,44 @@
-"""A second stop signal during a save of `--prefix-cache-file` abandons the save (§5.5).
+"""Stop signals and the save of `--prefix-cache-file` (§5.5): one stop saves, a second abandons.
 
-vLLM turns the first SIGTERM or SIGINT into an orderly stop and puts the default handlers
-back before the engine core shuts down, so a second one would kill the process in the middle
-of the save (the previous file would stay, a temporary file beside it). While a save runs, the
-engine core (which waits for its workers) and each worker (which writes the file) take the
-signal instead.
+A stop reaches a server's processes in several ways: SIGTERM or SIGINT to the API server alone
+(`kill PID`, `docker stop`, Kubernetes), to the whole process group (Ctrl-C in a terminal,
+`systemctl stop` with its default `KillMode=control-group`), to the engine core alone, or to
+every process at once. Whichever it is, the file is saved once, and only a second signal from
+the user means "stop now" (the save is abandoned and the previous file stays). Three rules make
+that so:
+
+- The front end stops its engine cores with `ORDERLY_STOP`, not SIGTERM
+  (`glue/frontend/save_grace.py`), and an engine core acts on it only while it is not yet
+  stopping: so a front end that received the same group signal is not a second signal.
+- A worker process defers its first SIGTERM or SIGINT (`defer_first_stop_signal`): the engine
+  core saves through it and then stops it (vLLM's executor closes its death pipe), so a group
+  signal no longer kills the worker before it has written its section.
+- While a save runs, the engine core (which waits for its workers) and each worker (which writes
+  the file) take SIGTERM and SIGINT as the second signal (`stop_signals_caught`). vLLM puts the
+  default handlers back before the engine core shuts down, so without them a second signal
+  would kill the process in the middle of the save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+logger = logging.getLogger("vllm.vllm_hpc")
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+ORDERLY_STOP = signal.SIGUSR2
+"""What the front end sends an engine core to stop it, where vLLM sends SIGTERM."""
+
+
+def in_main_thread() -> bool:
+    """Only the main thread may set signal handlers (and only it runs them)."""
+    return threading.current_thread() is threading.main_thread()
 
 
 @contextlib.contextmanager
@@ -24,7 +47,7 @@ def stop_signals_caught(on_signal: Callable[[int], None]) -> Iterator[threading.
     while the block runs; the previous handlers come back after it. Only the main thread
     takes signals: elsewhere the event is never set."""
     caught = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    if not in_main_thread():
         yield caught
         return
 
@@ -38,3 +61,66 @@ def stop_signals_caught(on_signal: Callable[[int], None]) -> Iterator[threading.
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def accept_orderly_stop(stopping: Callable[[], bool]) -> None:
+    """In an engine-core process, once vLLM's SIGTERM handler is in place: `ORDERLY_STOP` stops
+    the engine as that handler does, unless ``stopping()`` (the save has begun)."""
+    stop = signal.getsignal(signal.SIGTERM)
+    if not in_main_thread() or not callable(stop):
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if not stopping():
+            stop(signum, frame)
+
+    signal.signal(ORDERLY_STOP, handler)
+
+
+def send_orderly_stop(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, ORDERLY_STOP)
+
+
+_deferring: dict[int, Any] = {}
+"""While `defer_first_stop_signal` holds: the handlers it replaced."""
+
+
+def defer_first_stop_signal(process: str) -> None:
+    """In a process that the engine core stops itself once it has saved (a worker of the
+    multiprocess executor): until `end_stop_deferral`, the first SIGTERM or SIGINT is only
+    logged; a second one goes to the handler it replaced (vLLM's, which stops the process)."""
+    if not in_main_thread():
+        return
+    previous: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    _deferring.update(previous)
+    deferred: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not deferred:
+            deferred.append(signum)
+            logger.info(
+                "%s: %s deferred: the engine core saves the prefix cache file, then stops this "
+                "process; a second signal stops it now",
+                process,
+                signal.Signals(signum).name,
+            )
+            return
+        old = previous[signum]
+        if callable(old):
+            old(signum, frame)
+        else:
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+def end_stop_deferral() -> None:
+    """The save is over (written, refused or abandoned): stop signals act as vLLM set them again,
+    so the SIGTERM that vLLM's executor sends a worker slow to exit stops it."""
+    if in_main_thread():
+        for sig, old in _deferring.items():
+            signal.signal(sig, old)
+        _deferring.clear()

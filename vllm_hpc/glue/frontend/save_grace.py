@@ -3,19 +3,23 @@
 On a stop, the front end's process manager (`CoreEngineProcManager.shutdown`) sends the
 engine-core process SIGTERM and kills it after the shutdown timeout: none at all for
 `vllm serve` with its default `--shutdown-timeout 0`, 5 s for an `LLM`. A save of a large host
-tier takes longer. With a prefix cache file the wait is stretched to the save's grace
-(`derived.save_grace_seconds`); an engine core that stops sooner ends the wait sooner. A save
-still running at the grace's end is killed, and the previous file stays.
+tier takes longer. With a prefix cache file the manager first sends `ORDERLY_STOP` instead of
+SIGTERM (an engine core already saving, because the user's signal reached it too, ignores it:
+`glue/stop_signals.py`) and waits up to the save's grace (`derived.save_grace_seconds`); an
+engine core that stops sooner ends the wait sooner. One still running at the grace's end gets
+vLLM's SIGTERM, which abandons its save, and is killed: the previous file stays.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm_hpc.derived import save_grace_seconds
 from vllm_hpc.glue import InstallOnce
+from vllm_hpc.glue.stop_signals import send_orderly_stop
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -41,12 +45,21 @@ def install_save_grace() -> None:
 
     def shutdown(self: Any, timeout: float | None = None) -> None:
         grace = getattr(self, "_hpc_save_grace", None)
-        if grace is not None and (timeout is None or timeout < grace):
+        running = [p for p in self.processes if p.is_alive()]
+        if grace is not None and running:
+            wait = max(grace, timeout or 0.0)
             logger.info(
                 "prefix cache file: the engine core gets up to %.0f s to save before it is killed",
-                grace,
+                wait,
             )
-            timeout = grace
+            self.manager_stopped.set()  # an engine core that exits now is not a failure
+            deadline = time.monotonic() + wait
+            for process in running:
+                send_orderly_stop(process.pid)
+            # Polled, not joined: two of vLLM's threads run this at a stop, and a join of the
+            # engine core was seen to return 12 s into its 30 s with the process still alive.
+            while any(p.is_alive() for p in running) and time.monotonic() < deadline:
+                time.sleep(0.1)
         original_shutdown(self, timeout)
 
     CoreEngineProcManager.__init__ = __init__

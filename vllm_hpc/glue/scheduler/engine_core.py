@@ -9,7 +9,8 @@ which every orderly stop reaches in every executor (uniproc, multiprocess): `LLM
 `AsyncLLM` shutdown or deletion (in process or not), and `vllm serve` on SIGTERM or SIGINT
 (vLLM's engine-core process turns the signal into an orderly exit whose `finally` calls
 `shutdown`). An engine core that died of an error (`_send_engine_dead`) or whose executor
-failed saves nothing.
+failed saves nothing. Its busy loop takes the front end's `ORDERLY_STOP` as it takes SIGTERM,
+until the save begins (`glue/stop_signals.py`).
 
 The file is loaded once the engine core is built and before it takes a request. An engine core
 in this process (`LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0) is built after the plugin loaded:
@@ -27,6 +28,7 @@ from typing import Any
 
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.scheduler.persistence import PrefixCacheFile
+from vllm_hpc.glue.stop_signals import accept_orderly_stop
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -45,7 +47,7 @@ def install_engine_core_hooks() -> None:
         _restore_once(self)
 
     for cls in (EngineCoreProc, DPEngineCoreProc):  # each defines its own loop
-        cls.run_busy_loop = _restoring_first(cls.run_busy_loop)
+        cls.run_busy_loop = _before_the_busy_loop(cls.run_busy_loop)
 
     def shutdown(self: Any) -> None:
         cache_file = _cache_file(self)
@@ -67,9 +69,11 @@ def install_engine_core_hooks() -> None:
     EngineCoreProc._send_engine_dead = _send_engine_dead
 
 
-def _restoring_first(run_busy_loop: Callable[[Any], None]) -> Callable[[Any], None]:
+def _before_the_busy_loop(run_busy_loop: Callable[[Any], None]) -> Callable[[Any], None]:
     def wrapper(self: Any) -> None:
         _restore_once(self)
+        if _cache_file(self) is not None:
+            accept_orderly_stop(lambda: getattr(self, "_hpc_saved", False))
         run_busy_loop(self)
 
     return wrapper

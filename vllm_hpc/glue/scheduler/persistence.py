@@ -18,6 +18,7 @@ the workers of one host do); each worker reads its own section at the next start
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from vllm_hpc.glue.worker.persistence import (
     end_preload,
     land_host_writes,
     load_slabs,
+    save_over,
     save_slabs,
 )
 from vllm_hpc.persistence import (
@@ -123,13 +125,18 @@ class PrefixCacheFile:
     def save(self, rpc: Rpc, idle_step: Callable[[], None], failure: str | None) -> None:
         """Let the pending copies and host writes finish, then write the file. An engine that
         stopped on an error (``failure``) or a worker that stopped on a copy error saves
-        nothing and keeps the previous file."""
-        failure = failure or next((f for f in rpc(copy_failure) if f is not None), None)
-        if failure is not None:
-            logger.warning("prefix cache not saved (%s): the previous file stays", failure)
-            return
-        with stop_signals_caught(_forward_to_workers) as abandoned:
-            self._save(rpc, idle_step, abandoned)
+        nothing and keeps the previous file. Either way the workers then stop on their next
+        stop signal again (`glue/stop_signals.py`)."""
+        try:
+            failure = failure or next((f for f in rpc(copy_failure) if f is not None), None)
+            if failure is not None:
+                logger.warning("prefix cache not saved (%s): the previous file stays", failure)
+                return
+            with stop_signals_caught(_forward_to_workers) as abandoned:
+                self._save(rpc, idle_step, abandoned)
+        finally:
+            with contextlib.suppress(Exception):  # a failed executor: its workers are gone
+                rpc(save_over)
 
     def _save(self, rpc: Rpc, idle_step: Callable[[], None], abandoned: threading.Event) -> None:
         started = time.perf_counter()

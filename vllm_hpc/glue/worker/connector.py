@@ -18,6 +18,7 @@ from vllm_hpc.derived import cache_file_path
 from vllm_hpc.faults import SLOW_COPY_STEPS, armed
 from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
+from vllm_hpc.glue.stop_signals import defer_first_stop_signal
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
@@ -155,6 +156,8 @@ class ConnectorWorker:
             parallel = self._vllm_config.parallel_config
             path = cache_file_path(options.prefix_cache_file, parallel.data_parallel_index)
             self._preload = Preload(path, self._arena, tensor_parallel_rank())
+            if parallel.distributed_executor_backend == "mp":  # a worker process of its own
+                defer_first_stop_signal(f"worker {tensor_parallel_rank()}")
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)

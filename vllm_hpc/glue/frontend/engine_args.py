@@ -158,6 +158,11 @@ def configure_engine_args(args: Any) -> None:
     check_speculative_config(args.speculative_config)
     _refuse(args.scheduler_cls is not None, "--scheduler-cls (it brings its own scheduler)")
     _refuse(args.kv_transfer_config is not None, "--kv-transfer-config (it uses the KV connector)")
+    _refuse(
+        args.kv_offloading_size is not None,
+        "--kv-offloading-size (vLLM's offloading connector would replace the plugin's; the "
+        "plugin's host tier is --host-cache-mib)",
+    )
     # LoRA adapters and prompt embeddings are part of the cache key (`glue.scheduler.cache_key`).
     if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(

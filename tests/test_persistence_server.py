@@ -1,7 +1,7 @@
 """`--prefix-cache-file` through the OpenAI server: a stop saves, whichever of the server's
-processes the SIGTERM or SIGINT reaches (the API server alone, the process group as Ctrl-C and
-systemd send it, the engine core alone, every process at once; with two tensor-parallel workers
-or two engine cores too), and a restart resumes from the file with the cold run's tokens; a
+processes the SIGTERM or SIGINT reaches (the API server alone, the whole process group, that is
+every process at once, as Ctrl-C and systemd send it, the engine core alone; with two
+tensor-parallel workers or two engine cores too), and a restart resumes from the file with the cold run's tokens; a
 second SIGTERM during a (slowed) save, or a kill, leaves the previous file as it was (§5.5).
 Every server checks the cache's invariants at each step."""
 
@@ -77,9 +77,6 @@ def stop(pid: int, delivery: str = "SIGTERM to the API server") -> None:
     processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     if to == "the process group":
         os.killpg(pid, signum)
-    elif to == "every process":
-        for process in processes:
-            process.send_signal(signum)
     elif to == "the engine core":
         engine_core(pid).send_signal(signum)
     else:
@@ -90,10 +87,10 @@ def stop(pid: int, delivery: str = "SIGTERM to the API server") -> None:
 
 
 DELIVERIES = (
-    "SIGTERM to the process group",  # systemd's default KillMode=control-group
-    "SIGINT to the process group",  # Ctrl-C in a terminal
+    "SIGTERM to the API server",  # kill PID, docker stop, Kubernetes
+    "SIGTERM to the process group",  # every process at once: systemd's KillMode=control-group
+    "SIGINT to the process group",  # every process at once: Ctrl-C in a terminal
     "SIGTERM to the engine core",
-    "SIGINT to every process",
 )
 
 
@@ -121,11 +118,12 @@ def test_every_way_of_stopping_saves_and_a_restart_resumes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each delivery stops the server the one before it restored, after one more
-    conversation: the next server resumes that conversation from the file. The last one
-    reports what it restored, and a second SIGTERM during its (slowed) save abandons it."""
+    conversation: the next server resumes that conversation from the file. The next reports
+    what it restored, and a second SIGTERM during its (slowed) save abandons it; a kill -9
+    during the last one's save leaves the file as it was, and a temporary file beside it."""
     cache_file = tmp_path / "cache.bin"
     previous: tuple[list[int], list[int]] | None = None
-    for round_, delivery in enumerate(("SIGTERM to the API server", *DELIVERIES)):
+    for round_, delivery in enumerate(DELIVERIES):
         log = tmp_path / f"server{round_}.log"
         with server(tiny_model_dir, log, cache_file) as (base, pid):
             if previous is None:
@@ -158,6 +156,23 @@ def test_every_way_of_stopping_saves_and_a_restart_resumes(
     assert "prefix cache saved to" not in text
     assert cache_file.read_bytes() == saved
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".cache.bin.")]
+
+    log = tmp_path / "killed.log"
+    with server(tiny_model_dir, log, cache_file) as (base, pid):
+        assert "prefix cache restored from" in log.read_text()
+        complete(base, random_prompt(seed=4, length=1200))
+        processes = psutil.Process(pid).children(recursive=True)  # engine core and worker
+        os.kill(pid, signal.SIGTERM)
+        wait_for(log, "prefix cache file: saving")
+        time.sleep(0.3)
+        for process in processes:  # kill -9 of the writer (the worker) and its engine core
+            process.kill()
+        psutil.wait_procs(processes, timeout=STOP_TIMEOUT_S)
+        psutil.Process(pid).wait(STOP_TIMEOUT_S)
+    assert "prefix cache saved to" not in log.read_text()
+    assert cache_file.read_bytes() == saved
+    temporaries = [n for n in os.listdir(tmp_path) if n.startswith(".cache.bin.")]
+    assert len(temporaries) == 1  # what the next start removes (`remove_temporaries`)
 
 
 TWO_CORES = pytest.mark.skipif(
@@ -205,31 +220,3 @@ def test_a_group_stop_saves_every_rank_and_engine_core(
         assert log.read_text().count("prefix cache restored from") == len(ranks)
         for rank, (prompt, answer) in conversations.items():
             assert_resumes(base, prompt, answer, seed=620 + (rank or 0), rank=rank)
-
-
-def test_a_kill_during_the_save_leaves_the_previous_file_and_a_temporary(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache_file = tmp_path / "cache.bin"
-    log = tmp_path / "first.log"
-    with server(tiny_model_dir, log, cache_file) as (base, pid):
-        complete(base, random_prompt(seed=3, length=1200))
-        stop(pid)
-    saved = cache_file.read_bytes()
-    monkeypatch.setenv(FAULTS_ENV, "save_slow")
-    log = tmp_path / "second.log"
-    with server(tiny_model_dir, log, cache_file) as (base, pid):
-        assert "prefix cache restored from" in log.read_text()
-        complete(base, random_prompt(seed=4, length=1200))
-        processes = psutil.Process(pid).children(recursive=True)  # engine core and worker
-        os.kill(pid, signal.SIGTERM)
-        wait_for(log, "prefix cache file: saving")
-        time.sleep(0.3)
-        for process in processes:  # kill -9 of the writer (the worker) and its engine core
-            process.kill()
-        psutil.wait_procs(processes, timeout=STOP_TIMEOUT_S)
-        psutil.Process(pid).wait(STOP_TIMEOUT_S)
-    assert "prefix cache saved to" not in log.read_text()
-    assert cache_file.read_bytes() == saved
-    temporaries = [n for n in os.listdir(tmp_path) if n.startswith(".cache.bin.")]
-    assert len(temporaries) == 1  # what the next start removes (`remove_temporaries`)

@@ -1,9 +1,9 @@
 """`--prefix-cache-file` through the OpenAI server: a stop saves, whichever of the server's
 processes the SIGTERM or SIGINT reaches (the API server alone, the whole process group, that is
 every process at once, as Ctrl-C and systemd send it, the engine core alone; with two
-tensor-parallel workers or two engine cores too), and a restart resumes from the file with the cold run's tokens; a
-second SIGTERM during a (slowed) save, or a kill, leaves the previous file as it was (§5.5).
-Every server checks the cache's invariants at each step."""
+tensor-parallel workers or two engine cores too), and a restart resumes from the file with the
+cold run's tokens; a second SIGTERM during a (slowed) save, or a kill, leaves the previous file
+as it was (§5.5). Every server checks the cache's invariants at each step."""
 
 from __future__ import annotations
 

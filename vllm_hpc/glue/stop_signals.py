@@ -90,10 +90,9 @@ def defer_first_stop_signal(process: str) -> None:
     """In a process that the engine core stops itself once it has saved (a worker of the
     multiprocess executor): until `end_stop_deferral`, the first SIGTERM or SIGINT is only
     logged; a second one goes to the handler it replaced (vLLM's, which stops the process)."""
-    if not in_main_thread():
+    if not in_main_thread() or _deferring:
         return
-    previous: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    _deferring.update(previous)
+    _deferring.update({sig: signal.getsignal(sig) for sig in STOP_SIGNALS})
     deferred: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
@@ -106,7 +105,7 @@ def defer_first_stop_signal(process: str) -> None:
                 signal.Signals(signum).name,
             )
             return
-        old = previous[signum]
+        old = _deferring[signum]
         if callable(old):
             old(signum, frame)
         else:

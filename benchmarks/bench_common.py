@@ -88,8 +88,13 @@ def gpu_engine_kwargs(
     **overrides: Any,
 ) -> dict[str, Any]:
     """`vllm.LLM` / `AsyncEngineArgs` arguments of a GPU run: ``model``'s config with dummy
-    weights (``load_format``), token-id prompts, seed 0, vLLM's graphs unless ``eager``, and the
-    Triton GDN prefill kernel (FlashInfer is not staged) beside ``additional_config``."""
+    weights (``load_format``), token-id prompts, seed 0, vLLM's graphs unless ``eager``, and
+    beside ``additional_config`` the GDN prefill kernel the plugin picks for its side on this
+    vLLM, for both sides (on vLLM 0.32 Triton's; on 0.34 vLLM's own choice)."""
+    from vllm_hpc.glue.versions import gdn_prefill_backend_for_taps
+
+    kernel = gdn_prefill_backend_for_taps()
+    chosen = {"gdn_prefill_backend": kernel} if kernel is not None else {}
     return {
         "model": model,
         "load_format": load_format,
@@ -97,7 +102,7 @@ def gpu_engine_kwargs(
         "enforce_eager": eager,
         "seed": 0,
         **overrides,
-        "additional_config": {"gdn_prefill_backend": "triton", **(additional_config or {})},
+        "additional_config": {**chosen, **(additional_config or {})},
     }
 
 

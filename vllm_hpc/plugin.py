@@ -12,7 +12,7 @@ logger = logging.getLogger("vllm.vllm_hpc")
 
 
 def register() -> None:
-    from vllm_hpc.glue import UnsupportedVLLMVersion, check_vllm_version
+    from vllm_hpc.glue.versions import UnsupportedVLLMVersion, check_vllm_version
 
     try:
         check_vllm_version()
@@ -36,12 +36,14 @@ def register() -> None:
     from vllm_hpc.glue.frontend.token_ids import install_token_id_check
     from vllm_hpc.glue.sampling import install_sampling_params_hook
     from vllm_hpc.glue.scheduler.engine_core import install_engine_core_hooks
+    from vllm_hpc.glue.versions import front_end_checks_token_ids
 
     install_engine_args_hooks()
     install_engine_core_hooks()
     install_save_grace()
     install_sampling_params_hook()
-    install_token_id_check()
+    if not front_end_checks_token_ids():
+        install_token_id_check()
     install_cache_control()
     register_models()
     if CONNECTOR not in KVConnectorFactory._registry:

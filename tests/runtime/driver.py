@@ -86,6 +86,7 @@ def run(
     budget: int = CHUNK,
     in_flight: int = 0,
     drafts: int = 0,
+    read_limit: int | None = None,
 ) -> Run:
     """Prefill ``tokens`` in chunks of at most ``budget`` tokens, decode ``answer`` one token a
     step, finish, and audit. ``in_flight`` more decode steps, of one token and ``drafts``
@@ -95,7 +96,9 @@ def run(
     n = len(all_tokens)
 
     def info() -> RequestInfo:
-        return RequestInfo(request_id, all_tokens, n, salt, breakpoints, media=media)
+        return RequestInfo(
+            request_id, all_tokens, n, salt, breakpoints, media=media, read_limit=read_limit
+        )
 
     cache.new_step()
     lookup = cache.lookup(info())

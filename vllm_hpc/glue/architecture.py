@@ -69,11 +69,15 @@ def register_models() -> None:
     keep the recurrent state in the checkpoint's `mamba_ssm_dtype` (float32 in the released
     checkpoints) and give text-only models one-dimensional positions. Without them our classes
     kept the state in the activations' dtype: a coarser state than vLLM's own engine keeps,
-    which parted answers from it (seen on the tiny MoE model on AVX2 machines).
+    which parted answers from it (seen on the tiny MoE model on AVX2 machines). The CUDA-graph
+    mode vLLM picks by name follows too (`versions.share_graph_mode`).
     """
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
+    from vllm_hpc.glue.versions import share_graph_mode
+
     for theirs, ours in ARCHITECTURES.items():
         ModelRegistry.register_model(ours, f"vllm_hpc.glue.worker.model:{ours}")
         MODELS_CONFIG_MAP.setdefault(ours, MODELS_CONFIG_MAP[theirs])
+    share_graph_mode(ARCHITECTURES)

@@ -98,22 +98,24 @@ class Admission:
     """Copies to run, then ``complete_restore``; None when admitted from the root."""
 
 
-def lookup(tree: BlockTree, prompt: PreparedPrompt) -> MatchResult:
+def lookup(tree: BlockTree, prompt: PreparedPrompt, limit: int | None = None) -> MatchResult:
     """§6.1: the matched path, then every snapshot on it whose tail tokens equal the prompt's,
     with F <= n - 1 (at least one token is always prefilled) and F a resumable point of the
-    prompt's media (`resume_floor`).
+    prompt's media (`resume_floor`). ``limit`` caps F and the path further: the request may read
+    only its first ``limit`` tokens from the cache (None: no cap).
 
     O(k + snapshots on the path); read-only.
     """
     n = prompt.num_tokens
-    root, path = tree.match_path(prompt, max(n - 1, 0) // BLOCK_TOKENS)
+    cap = max(n - 1 if limit is None else min(n - 1, limit), 0)
+    root, path = tree.match_path(prompt, cap // BLOCK_TOKENS)
     candidates: list[Snapshot] = []
     if root is not None:
         for node in (root, *path):
             for snapshot in node.snapshots or ():
                 frontier = snapshot.frontier
                 if (
-                    frontier <= n - 1
+                    frontier <= cap
                     and prompt.token_range(node.end, frontier) == snapshot.tail
                     and prompt.resumable_at(frontier)
                 ):

@@ -118,9 +118,10 @@ class PrefixIndex:
             tokens, hasher=self.store.tree.hasher, media=media, cache_salt=cache_salt
         )
 
-    def match(self, prompt: PreparedPrompt) -> MatchResult:
-        """Matched path and candidate snapshots (§6.1). Read-only."""
-        return lookup(self.store.tree, prompt)
+    def match(self, prompt: PreparedPrompt, limit: int | None = None) -> MatchResult:
+        """Matched path and candidate snapshots (§6.1), no deeper than ``limit`` tokens when
+        given. Read-only."""
+        return lookup(self.store.tree, prompt, limit)
 
     def quote(self, match: MatchResult, growth_pages: GrowthPages) -> AdmissionQuote:
         """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only."""

@@ -13,7 +13,6 @@ from vllm_hpc.index import (
     BLOCK_TOKENS,
     AdmissionQuote,
     GrowthPages,
-    MatchResult,
     PageId,
     PrefixIndex,
     PreparedPrompt,
@@ -56,6 +55,17 @@ class Admission:
         capture has published, `Captures`)."""
         self.live.remove(lane)
 
+    def cached_tokens(self, request: RequestInfo) -> int:
+        """Tokens of the request the deepest matching snapshot holds: a probe that plans,
+        keeps and waits for nothing."""
+        if not self.config.prefix_reuse:
+            return 0
+        prompt = self.index.prepare_prompt(
+            request.token_ids, media=request.media, cache_salt=request.cache_salt
+        )
+        frontiers = self.index.match(prompt, request.read_limit).frontiers
+        return frontiers[-1] if frontiers else 0
+
     def lookup(self, request: RequestInfo) -> Lookup:
         """Match the prompt, choose the source and plan the taps (§6.1-6.3, §7.1). Read-only."""
         n = len(request.token_ids)
@@ -69,7 +79,7 @@ class Admission:
                 request.token_ids, media=request.media, cache_salt=request.cache_salt
             )
             self._prepared[request.request_id] = prompt
-        match = self._match(prompt, request.read_cache)
+        match = self.index.match(prompt, request.read_limit)
         quote = self.index.quote(match, self._growth(n, with_row=True))
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
@@ -101,11 +111,11 @@ class Admission:
         )
         taps = aligned_tail(taps, frontier, match.frontiers, from_endpoint)
         # A media prompt never waits on a sibling (§12.2): its blocks are keyed by the items too.
-        coalesce = request.read_cache and not prompt.media
+        coalesce = request.read_limit is None and not prompt.media
         sibling = self._sibling(prompt, request, frontier) if coalesce else None
         if sibling is not None:
             self._waited.add(request.request_id)
-        return Lookup(quote, frontier, taps, prompt, sibling, request.read_cache)
+        return Lookup(quote, frontier, taps, prompt, sibling, request.read_limit)
 
     def _sibling(self, prompt: PreparedPrompt, request: RequestInfo, frontier: int) -> Lane | None:
         """In-flight coalescing (§12.2): the running request whose snapshot, published soon, will
@@ -133,11 +143,6 @@ class Admission:
             plan_exact_tap(best, deepest)
         return best
 
-    def _match(self, prompt: PreparedPrompt, read_cache: bool) -> MatchResult:
-        """The prompt's match; empty for a request that writes to the cache but reads nothing."""
-        match = self.index.match(prompt)
-        return match if read_cache else MatchResult(prompt, match.root, [], [])
-
     def _growth(self, n: int, with_row: bool) -> GrowthPages:
         """Pages a request of ``n`` tokens needs when it resumes at a frontier: its first
         chunk's, and its state row's unless it holds one already."""
@@ -159,11 +164,14 @@ class Admission:
         The lookup's match serves unless the cache changed since (matching walks the whole
         prompt); the index answers at once while nothing that could open a copy changed."""
         quote = lookup.quote
-        if quote is None or lookup.prompt is None or not lookup.read_cache:
+        if quote is None or lookup.prompt is None or lookup.read_limit == 0:
             return
         if lookup.sibling is not None:
             return
-        match = quote.match if self.index.is_current(quote) else self.index.match(lookup.prompt)
+        if self.index.is_current(quote):
+            match = quote.match
+        else:
+            match = self.index.match(lookup.prompt, lookup.read_limit)
         prefetch = self.index.prefetch(match)
         if prefetch is None:
             return
@@ -276,7 +284,7 @@ class Admission:
         """The quote again, now that the row is taken (which evicted, so the cache moved on):
         its source was kept, so it still serves unless the pages ran short."""
         assert lookup.prompt is not None
-        match = self._match(lookup.prompt, lookup.read_cache)
+        match = self.index.match(lookup.prompt, lookup.read_limit)
         fresh = self.index.quote(match, self._growth(lookup.prompt.num_tokens, with_row=False))
         same = (
             fresh.readiness is Readiness.READY

@@ -125,6 +125,9 @@ class HybridPrefixCache:
     def lookup(self, request: RequestInfo) -> Lookup:
         return self.admission.lookup(request)
 
+    def cached_tokens(self, request: RequestInfo) -> int:
+        return self.admission.cached_tokens(request)
+
     def prefetch(self, lookup: Lookup) -> None:
         self.admission.prefetch(lookup)
 

@@ -71,7 +71,8 @@ class RequestInfo:
     """Client-named reuse points (token positions): exact Boundary taps (§7.1)."""
     template_hints: tuple[TapHint, ...] = ()
     """Semantic positions the chat template marks: the generation opener, structural ends."""
-    read_cache: bool = True
+    read_limit: int | None = None
+    """Leading tokens it may read from the cache: None, any; 0, none (it still writes)."""
     media: tuple[MediaItem, ...] = ()
     """The prompt's media items (images, videos): their identity keys the blocks they touch."""
     max_output_tokens: int = 0
@@ -90,5 +91,5 @@ class Lookup:
     sibling: Lane | None = None
     """A running request that is prefilling more of this prompt than the cache serves now: the
     request waits for its snapshot instead of prefilling the same tokens (§12.2)."""
-    read_cache: bool = True
-    """False: the request reads nothing from the cache (its quote's match has no candidates)."""
+    read_limit: int | None = None
+    """The request's `RequestInfo.read_limit`, which its match kept to."""

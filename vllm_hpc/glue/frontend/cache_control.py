@@ -8,9 +8,10 @@ longest common prefix of that rendering's token ids with the whole prompt's as t
 The breakpoints reach the scheduler the way OpenAI clients' `vllm_xargs.cache_breakpoints` do.
 Like Anthropic, more than four marked blocks, or a malformed mark, is a 400 naming the field.
 
-The streamed `message_start` event carries vLLM's first chunk's usage, which has no cached
-tokens yet (vLLM fills `prompt_tokens_details` in the last chunk only); the plugin adds the
-request's cached tokens there, so `cache_read_input_tokens` is reported from the first event.
+The streamed `message_start` event carries vLLM's first chunk's usage. On vLLM 0.32.0 it has
+no cached tokens yet (vLLM fills `prompt_tokens_details` in the last chunk only), and the plugin
+adds the request's cached tokens there, so `cache_read_input_tokens` is reported from the first
+event; 0.34.0 does so itself (`versions.anthropic_stream_reports_cached_tokens`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.architecture import ARCHITECTURES
 from vllm_hpc.glue.sampling import BREAKPOINTS_KEY
+from vllm_hpc.glue.versions import anthropic_stream_reports_cached_tokens
 
 MAX_MARKS = 4
 """Anthropic's limit on blocks with `cache_control` in one request."""
@@ -213,4 +215,5 @@ def install_cache_control() -> None:
 
     AnthropicServingMessages.create_messages = create_messages
     AnthropicServingMessages.render_chat_request = render_chat_request
-    AnthropicServingMessages.chat_completion_stream_generator = stream_generator
+    if not anthropic_stream_reports_cached_tokens():
+        AnthropicServingMessages.chat_completion_stream_generator = stream_generator

@@ -23,8 +23,13 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_hpc.glue import InstallOnce, UnsupportedVLLMVersion
+from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.architecture import ArchitectureOverride
+from vllm_hpc.glue.versions import (
+    UnsupportedVLLMVersion,
+    gdn_prefill_backend_for_taps,
+    set_version_engine_args,
+)
 from vllm_hpc.index import BLOCK_TOKENS
 from vllm_hpc.options import OPTION_SPECS, KVCacheManager, OptionError, PluginOptions
 
@@ -34,8 +39,6 @@ HELP_GROUP = "HybridPrefixCache"
 HELP_GROUP_DESCRIPTION = "vllm_hpc: the hybrid prefix cache for Qwen3.5 (Gated DeltaNet) models."
 CONNECTOR = "HybridPrefixConnector"
 GDN_PREFILL_KEY = "gdn_prefill_backend"
-GDN_PREFILL_DEFAULT = "triton"
-"""vLLM's Triton/FLA GDN prefill kernel: the one whose chunk states allow in-pass taps."""
 SCHEDULERS = {
     False: "vllm_hpc.glue.scheduler.scheduler.HybridPrefixScheduler",
     True: "vllm_hpc.glue.scheduler.scheduler.HybridPrefixAsyncScheduler",
@@ -163,6 +166,18 @@ def configure_engine_args(args: Any) -> None:
         "--kv-offloading-size (vLLM's offloading connector would replace the plugin's; the "
         "plugin's host tier is --host-cache-mib)",
     )
+    _refuse(
+        args.enable_sleep_mode,
+        "--enable-sleep-mode (sleeping discards the KV cache, where the cached pages and states "
+        "live, while the cache's index would still serve them)",
+    )
+    for key, flag, defaults in VLLM_PREFIX_CACHING_OPTIONS:
+        if getattr(args, key, defaults[0]) not in defaults:
+            raise OptionError(
+                f"{flag} tunes vLLM's own prefix caching, which --kv-cache-manager hybrid-prefix "
+                f"replaces (it matches prefixes every {BLOCK_TOKENS} tokens and keeps states by "
+                "its own rules); leave it unset"
+            )
     # LoRA adapters and prompt embeddings are part of the cache key (`glue.scheduler.cache_key`).
     if args.block_size not in (None, BLOCK_TOKENS):
         raise OptionError(
@@ -177,6 +192,19 @@ def configure_engine_args(args: Any) -> None:
     args.hf_overrides = ArchitectureOverride(args.hf_overrides or None)
     args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_producer")
     default_gdn_prefill_backend(args)
+    for what in set_version_engine_args(args):
+        logger.info("hybrid-prefix: %s", what)
+
+
+VLLM_PREFIX_CACHING_OPTIONS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
+    ("prefix_cache_retention_interval", "--prefix-cache-retention-interval", (0,)),
+    ("prefix_match_unit", "--prefix-match-unit", (None,)),
+    ("mamba_cache_mode", "--mamba-cache-mode", (None, "none")),
+    ("enable_mamba_shared_prefix_checkpoint", "--enable-mamba-shared-prefix-checkpoint", (False,)),
+    ("cache_aware_admission_window", "--cache-aware-admission-window", (0,)),
+)
+"""vLLM's flags for its own prefix caching, with the values that leave it as it is (an
+attribute this vLLM lacks reads as its default)."""
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_5_mtp")
@@ -219,7 +247,8 @@ def check_speculative_config(config: Any) -> None:
 
 
 def default_gdn_prefill_backend(args: Any) -> None:
-    """Select the Triton/FLA GDN prefill kernel unless the user chose one.
+    """Select the GDN prefill kernel whose mid-chunk states allow in-pass taps on this vLLM
+    (`versions.gdn_prefill_backend_for_taps`) unless the user chose one.
 
     vLLM reads the choice from ``additional_config["gdn_prefill_backend"]`` ("auto" when
     absent: FlashInfer on Hopper); ``--gdn-prefill-backend`` (``EngineArgs.gdn_prefill_backend``)
@@ -233,13 +262,16 @@ def default_gdn_prefill_backend(args: Any) -> None:
             f"--gdn-prefill-backend {flag} conflicts with --additional-config "
             f"{GDN_PREFILL_KEY}={given!r}; give one of them"
         )
-    if flag is None and given is None:
-        config[GDN_PREFILL_KEY] = GDN_PREFILL_DEFAULT
+    default = gdn_prefill_backend_for_taps()
+    if flag is None and given is None and default is not None:
+        config[GDN_PREFILL_KEY] = default
         logger.info(
             "hybrid-prefix: GDN prefill kernel %s selected (its chunk states allow taps inside "
             "a prefill pass); --gdn-prefill-backend chooses another",
-            GDN_PREFILL_DEFAULT,
+            default,
         )
+    elif flag is None and given is None:
+        logger.info("hybrid-prefix: GDN prefill kernel: vLLM's choice")
     else:
         logger.info("hybrid-prefix: GDN prefill kernel %s, as given", flag or given)
     args.additional_config = config

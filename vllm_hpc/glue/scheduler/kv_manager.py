@@ -33,6 +33,7 @@ from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
 from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator
 from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
 from vllm_hpc.glue.state_spec import StateSlotSpec
+from vllm_hpc.glue.versions import read_limit
 from vllm_hpc.index import MediaItem, TapHint
 from vllm_hpc.options import OptionError, PluginOptions
 from vllm_hpc.runtime.cache import (
@@ -198,15 +199,25 @@ class HybridPrefixKVCacheManager:
 
     # -- admission --------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
-        """Tokens the cache serves for a waiting request (its pages come in `get_blocks`)."""
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """Tokens the cache serves for a waiting request, at most ``max_cache_hit_length``
+        (its pages come in `get_blocks`)."""
+        info = request_info(request, self._keys(request), max_cache_hit_length)
         try:
-            lookup = self.cache.lookup(request_info(request, self._keys(request)))
+            lookup = self.cache.lookup(info)
         except InfeasibleRequest as error:
             self.unservable[request.request_id] = str(error)
             return self.empty_kv_cache_blocks, 0, 0
         self._lookups[request.request_id] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        """Tokens the cache would serve the request now, without admitting it (vLLM 0.34's
+        cache-aware admission asks; it is off with hybrid-prefix, which turns vLLM's prefix
+        caching off, so this only keeps the manager's surface whole)."""
+        return self.cache.cached_tokens(request_info(request, self._keys(request)))
 
     def _keys(self, request: Any) -> PromptKeys:
         """The request's template hints and cache keys, computed on its first lookup."""
@@ -366,7 +377,7 @@ class HybridPrefixKVCacheManager:
         return self.cache.usage
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if self.prefix_cache_stats is None or request.skip_reading_prefix_cache:
+        if self.prefix_cache_stats is None or read_limit(request) == 0:
             return
         self.prefix_cache_stats.record(
             num_tokens=request.num_tokens,
@@ -427,8 +438,8 @@ def in_flight_steps(num_computed: int, step_tokens: list[int]) -> InFlight | Non
     return InFlight(steps=len(step_tokens), first_position=num_computed - sum(step_tokens))
 
 
-def request_info(request: Any, keys: PromptKeys) -> RequestInfo:
-    """What the runtime needs of a vLLM `Request`."""
+def request_info(request: Any, keys: PromptKeys, bound: int | None = None) -> RequestInfo:
+    """What the runtime needs of a vLLM `Request`; ``bound`` caps what it may read."""
     params = request.sampling_params
     try:
         breakpoints = parse_breakpoints(params.extra_args if params is not None else None)
@@ -442,6 +453,6 @@ def request_info(request: Any, keys: PromptKeys) -> RequestInfo:
         media=keys.media,
         breakpoints=breakpoints,
         template_hints=keys.template_hints,
-        read_cache=not request.skip_reading_prefix_cache,
+        read_limit=read_limit(request, bound),
         max_output_tokens=request.max_tokens,
     )

@@ -18,6 +18,7 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -26,23 +27,29 @@ from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-from vllm.model_executor.models.qwen3_5 import (
-    Qwen3_5ForCausalLM,
-    Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeForConditionalGeneration,
-)
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.state_spec import StateSlotSpec
-from vllm_hpc.glue.worker.in_pass import capture_layer, install_fla_hook
+from vllm_hpc.glue.versions import (
+    flashinfer_gives_checkpoints,
+    has_v1_model_runner,
+    qwen3_5_module,
+    shares_gdn_block_table,
+)
+from vllm_hpc.glue.worker.in_pass import (
+    capture_layer,
+    flashinfer_captures_pending,
+    flashinfer_prefill,
+    install_fla_hook,
+)
 from vllm_hpc.glue.worker.kernel_tuning import tune_prefill_kernels
 from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import BLOCK_TOKENS
 
 logger = logging.getLogger("vllm.vllm_hpc")
+_qwen3_5: Any = importlib.import_module(qwen3_5_module())
 
 
 class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -60,7 +67,7 @@ class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # vLLM lets later GDN groups re-gather their indices from the first group's metadata
         # only for its own class (to keep KDA's builders out); this one builds the same.
-        self.supports_update_block_table = vllm_config.use_v2_model_runner and device.type == "cuda"
+        self.supports_update_block_table = shares_gdn_block_table(vllm_config, device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any
@@ -165,7 +172,56 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
             return run()
         conv = self.kv_cache[0]
         conv = conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
-        return capture_layer(captures, metadata, mixed_qkv, conv, self.kv_cache[1], run)
+        window = self.conv_kernel_size - 1
+        return capture_layer(captures, metadata, mixed_qkv, conv, window, self.kv_cache[1], run)
+
+    # FlashInfer's prefill (vLLM 0.34) stores mid-chunk states in vLLM's checkpoint workspace,
+    # which vLLM sizes and warms for layers that export checkpoints: these do while the pool
+    # takes in-pass taps through it (`vllm_hpc.glue.worker.in_pass.flashinfer_prefill`).
+    @property
+    def _exports_checkpoints(self) -> bool:
+        return self.state_pool.in_pass_taps and self.gdn_prefill_backend == "flashinfer"
+
+    @property
+    def _checkpoint_buffer_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        heads = self.num_v_heads // self.tp_size
+        rows = -(-tokens // BLOCK_TOKENS)
+        return (rows, heads, self.head_v_dim, self.head_k_dim), torch.float32
+
+    def _forward_flashinfer_prefill(self, *args: Any, **kwargs: Any) -> Any:
+        forward = super()._forward_flashinfer_prefill
+        if not flashinfer_captures_pending():
+            return forward(*args, **kwargs)
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+        from vllm.model_executor.layers.mamba.ops.gather_initial_states import (
+            gather_initial_states,
+        )
+        from vllm.v1.worker.workspace import current_workspace_manager
+
+        q, k, v, g, beta, metadata = args
+        assert metadata.flashinfer_checkpoint_plan is None, "vLLM's own checkpoints are off"
+        initial_state = gather_initial_states(
+            kwargs["ssm_state"], metadata.prefill_state_indices, metadata.prefill_has_initial_state
+        )
+        (workspace,) = current_workspace_manager().get_simultaneous(self._checkpoint_buffer_spec)
+
+        def call(**checkpoints: Any) -> Any:
+            return gdn.fi_chunk_gated_delta_rule(
+                q=q,
+                k=k,
+                v=v,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=True,
+                cu_seqlens=metadata.prefill_query_start_loc,
+                use_qk_l2norm_in_kernel=False,
+                output=kwargs["output"],
+                **checkpoints,
+            )
+
+        return flashinfer_prefill(metadata, workspace, call)
 
     def _forward_core_fused_norm_packed(self, *args: Any, **kwargs: Any) -> Any:
         self.state_pool.wait_restored(self.prefix)
@@ -243,16 +299,19 @@ def _in_pass_unavailable(
     layers: list[QwenGatedDeltaNetAttention], device: torch.device, vllm_config: Any
 ) -> str | None:
     """Why taps cannot be saved inside a prefill pass here, or None when they can. They need
-    CUDA, vLLM's FLA prefill kernel (the "triton" GDN backend), whose per-chunk states are in
-    the activations' dtype, a recurrent state cached in that dtype too (else a saved state would
-    be coarser than a final one), and the kernel hook."""
+    CUDA and a GDN prefill kernel that hands over mid-chunk states (`in_pass`): FlashInfer's
+    where this vLLM asks it for checkpoints, or FLA's (the "triton" backend), whose per-chunk
+    states are in the activations' dtype, with a recurrent state cached in that dtype too (else
+    a saved state would be coarser than a final one) and the kernel hook."""
     if device.type != "cuda" or torch.version.hip is not None:
-        return f"{device.type} device: only CUDA's FLA kernel exposes its chunk states"
+        return f"{device.type} device: only CUDA's GDN prefill kernels expose mid-chunk states"
     backends = {layer.gdn_prefill_backend for layer in layers}
+    if backends == {"flashinfer"} and flashinfer_gives_checkpoints():
+        return None
     if backends != {"triton"}:
         return (
             f"GDN prefill backend {'/'.join(sorted(backends))}; additional_config "
-            "gdn_prefill_backend=triton selects the kernel that allows them"
+            "gdn_prefill_backend=triton (or flashinfer on vLLM 0.34) allows them"
         )
     dtype = vllm_config.model_config.dtype
     cached = {layer.get_state_dtype()[1] for layer in layers}
@@ -272,7 +331,8 @@ class StatePoolModel:
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         build_state_pool(self, vllm_config)
-        install_accepted_tokens_hook()
+        if has_v1_model_runner():
+            install_accepted_tokens_hook()
 
     def get_model_state_cls(self) -> type:
         """The V2 runner's model state: vLLM's own for hybrid models, as for vLLM's Qwen3.5.
@@ -285,20 +345,22 @@ class StatePoolModel:
         return MambaHybridModelState
 
 
-class HybridPrefixQwen3_5ForCausalLM(StatePoolModel, Qwen3_5ForCausalLM):
+class HybridPrefixQwen3_5ForCausalLM(StatePoolModel, _qwen3_5.Qwen3_5ForCausalLM):
     pass
 
 
-class HybridPrefixQwen3_5MoeForCausalLM(StatePoolModel, Qwen3_5MoeForCausalLM):
+class HybridPrefixQwen3_5MoeForCausalLM(StatePoolModel, _qwen3_5.Qwen3_5MoeForCausalLM):
     pass
 
 
-class HybridPrefixQwen3_5ForConditionalGeneration(StatePoolModel, Qwen3_5ForConditionalGeneration):
+class HybridPrefixQwen3_5ForConditionalGeneration(
+    StatePoolModel, _qwen3_5.Qwen3_5ForConditionalGeneration
+):
     """The vision-language wrapper: its language model's GDN layers join the pool like the text
     class's (the wrapper builds vLLM's `Qwen3_5ForCausalLM` inside itself)."""
 
 
 class HybridPrefixQwen3_5MoeForConditionalGeneration(
-    StatePoolModel, Qwen3_5MoeForConditionalGeneration
+    StatePoolModel, _qwen3_5.Qwen3_5MoeForConditionalGeneration
 ):
     pass

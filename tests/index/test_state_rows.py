@@ -110,6 +110,23 @@ def test_kv_pages_take_a_superseded_snapshots_row_before_an_unbacked_page() -> N
     h.check()
 
 
+def test_superseded_snapshots_giving_way_leave_l_unchanged() -> None:
+    # Only a value victim raises L (§9.3). Without a host tier the superseded taps are
+    # device-only, yet losing one to KV pages or to a running request's state is no value
+    # eviction, as losing its slot to a new snapshot is none (§9.2).
+    h = rows_index(pages=32, slots=4)
+    s64, s128, _ = map(snap, h.run(toks(10, 3 * BLOCK + 5), taps=[BLOCK, 2 * BLOCK, 3 * BLOCK]))
+    assert s64.superseded and s128.superseded and s64.priority > 0.0
+    h.index.plan_taken()
+    pages = h.index.allocate_pages(h.index.store.pages.num_free + 1)
+    assert pages is not None and s64 not in h.index.store.snapshots
+    assert h.index.store.value.inflation == 0.0
+    assert h.index.take_state_row() is not None and s128 not in h.index.store.snapshots
+    assert h.index.store.value.inflation == 0.0
+    h.index.free_pages(pages)
+    h.check()
+
+
 def test_a_snapshot_published_in_the_plan_being_built_keeps_its_row_from_kv() -> None:
     h = rows_index(pages=16, slots=2)
     (tap,) = map(snap, h.run(toks(8, 2 * BLOCK + 1), taps=[2 * BLOCK]))

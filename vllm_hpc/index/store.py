@@ -585,13 +585,12 @@ class CacheStore:
 
     def _drop_image(self, victim: Snapshot) -> None:
         """The victim gives its slot up and loses its device image (and, device-only,
-        everything)."""
+        everything). L rises only for a value victim: a superseded one goes first by rule
+        (§9.2, §9.3)."""
         self.stats.slot_evictions += 1
-        if victim.image_host is Residency.RESIDENT:
-            self.drop_snapshot_image_device(victim)
-        else:
+        if not _lossless(victim):
             self.value.inflate(victim.priority)
-            self.delete_snapshot(victim)
+        self.drop_snapshot_image_device(victim)
 
 
 def _lossless(snapshot: Snapshot) -> bool:

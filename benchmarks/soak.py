@@ -1,9 +1,10 @@
 """Soak: random sessions against a real OpenAI server under device and host pressure, then
 checks that nothing broke, leaked or changed an answer.
 
-One server (`openai_server.py`) on the tiny model with a small device pool and a small host
-tier; its engine audits the cache's invariants at every step, so a broken invariant ends the
-run with 500s. Eight client threads run random sessions until ``--seconds`` or ``--requests``:
+One server (`tests/server_support.py`, the server tests' harness) on the tiny model with a small
+device pool and a small host tier; its engine audits the cache's invariants at every step, so a
+broken invariant ends the run with 500s. Eight client threads run random sessions until
+``--seconds`` or ``--requests``:
 
 - echo: a multi-turn chat whose every turn repeats the previous prompt and answer;
 - branch: an earlier recorded prompt cut at one of its turns, then new tokens;
@@ -48,7 +49,11 @@ from typing import Any
 
 import psutil
 import torch
-from openai_server import (
+
+from vllm_hpc.tiny_model import DEFAULT_RECIPE, tiny_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from server_support import (
     greedy_body,
     metrics,
     model_id,
@@ -56,8 +61,6 @@ from openai_server import (
     post,
     running_server,
 )
-
-from vllm_hpc.tiny_model import DEFAULT_RECIPE, tiny_model_path
 
 KINDS = ("echo", "branch", "edit", "retry", "preamble", "cancel", "abort", "fresh")
 DEVICE_PAGES = 345

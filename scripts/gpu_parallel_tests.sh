@@ -7,7 +7,7 @@
 # Arguments: a time limit in seconds for every group, a log directory, then one quoted group
 # each. Each group logs to LOGDIR/group<N>.log; the script exits non-zero if any group failed.
 # Every test engine gets a fixed 2 GiB KV budget (VLLM_HPC_TEST_KV_CACHE_GIB, see
-# benchmarks/openai_server.py), so the processes' memory profiling does not see each other.
+# tests/server_support.py), so the processes' memory profiling does not see each other.
 set -uo pipefail
 LIMIT=$1
 LOGDIR=$2

@@ -35,7 +35,7 @@ def running_llm(in_process: bool = False, **overrides: Any) -> Iterator[Any]:
     later engine) and the worker's KV-connector agent (a later in-process engine would bind to
     the previous one's). Seen on CUDA, where the V2 runner then asserts.
     """
-    from openai_server import shared_gpu_kv_bytes  # imports vLLM, as this function does
+    from server_support import shared_gpu_kv_bytes  # imports vLLM, as this function does
     from vllm import LLM, envs
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

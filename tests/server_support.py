@@ -1,8 +1,9 @@
 """A vLLM OpenAI server with hybrid-prefix in a child process, and plain-HTTP calls to it.
 
-Used by the server tests (`tests/test_server.py`) and the soak (`benchmarks/soak.py`). The
-server audits the cache's invariants at every engine step (`VLLM_HPC_AUDIT_EVERY_STEP`), so a
-broken invariant shows as a dead engine: every later request answers 500.
+Used by the server tests (`tests/test_server.py` and others) and by the soak
+(`benchmarks/soak.py`, which imports it from here). The server audits the cache's invariants at
+every engine step (`VLLM_HPC_AUDIT_EVERY_STEP`), so a broken invariant shows as a dead engine:
+every later request answers 500.
 """
 
 from __future__ import annotations

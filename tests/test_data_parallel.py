@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_support import random_prompt
-from openai_server import greedy_body, metrics, model_id, post, running_server, sample
+from server_support import greedy_body, metrics, model_id, post, running_server, sample
 
 pytestmark = [
     pytest.mark.engine,

@@ -19,7 +19,7 @@ from engine_support import (
     small_pool_llm,
     tokens,
 )
-from openai_server import free_port
+from server_support import free_port
 
 pytestmark = pytest.mark.engine
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 from engine_support import random_prompt
-from openai_server import (
+from server_support import (
     greedy_body,
     metrics,
     model_id,

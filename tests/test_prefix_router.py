@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from openai_server import free_port, greedy_body, model_id, post, running_server
+from server_support import free_port, greedy_body, model_id, post, running_server
 
 from examples.prefix_router import PrefixRouter
 from vllm_hpc.tiny_model import DEFAULT_RECIPE

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 from engine_support import random_prompt
-from openai_server import (
+from prometheus_client.parser import text_string_to_metric_families
+from server_support import (
     greedy_body,
     metrics,
     model_id,
@@ -30,7 +31,6 @@ from openai_server import (
     running_server,
     sample,
 )
-from prometheus_client.parser import text_string_to_metric_families
 from test_dashboard import dashboard_series
 
 from vllm_hpc.tiny_model import DEFAULT_RECIPE

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 from engine_support import cache_of, running_llm
-from openai_server import model_id, post, running_server
 from PIL import Image
+from server_support import model_id, post, running_server
 
 from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.tiny_model import VISION_RECIPE, tiny_model_path

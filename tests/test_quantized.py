@@ -92,7 +92,7 @@ def quantized_cold(variant: str) -> Iterator[Any]:
     parted from the compiled engine's first, uncached answer (margin 0.625, vLLM's fused FP8
     quantization), and vLLM's own AWQ-MoE answer changes when its prefill is cut into the
     engine's 512-token chunks (token 19, margin 1.0:
-    `benchmarks/results/chunked_prefill_parting_awq-moe.md`)."""
+    `benchmarks/archive/results/chunked_prefill_parting_awq-moe.md`)."""
     eager = not variant.endswith("-compiled")
     with cold_reference(
         model=quantized_model(variant),

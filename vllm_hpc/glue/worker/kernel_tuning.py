@@ -5,7 +5,7 @@ their Triton autotuners pick a configuration while device memory is still free. 
 keyed on head counts and dims only and then serves every step of the process. On one chunk most
 configurations time within launch noise (for the output kernel on the 27B shape, 18 of 24
 within 10.7-12.6 us on an H100), while on a saturated prefill step they span 0.42-0.71 ms
-(`benchmarks/results/gdn_autotune_h100.txt`); the burst's profiles found that draw slow in
+(`benchmarks/archive/results/gdn_autotune_h100.txt`); the burst's profiles found that draw slow in
 four of five hybrid-prefix engine starts (`benchmarks/results/gpu_load.md`, runs 8-12).
 Timing the candidates on several prompts' worth of tokens first makes the pick the one that is
 fast where the kernels' time matters; vLLM's warm-up then finds them tuned.

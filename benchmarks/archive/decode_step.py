@@ -6,7 +6,7 @@ tokens) / 128, so prefill and start-up cancel out. One engine per configuration,
 default host tier). What it isolates is the cache's own per-step work (scheduling hooks,
 commits, the connector), which the model's forward pass would hide on a large model.
 
-    .venv/bin/python benchmarks/decode_step.py [--repeats 3]
+    .venv/bin/python benchmarks/archive/decode_step.py [--repeats 3]
 """
 
 from __future__ import annotations

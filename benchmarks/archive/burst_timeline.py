@@ -11,7 +11,7 @@ up (about 2.0 and 0.7 s) with no pause. A late start followed by a short interva
 pause of the engine core that the GPU did not wait for (under async scheduling a step is
 scheduled while the one before it runs) or a step that started no prompt.
 
-    python3 benchmarks/burst_timeline.py benchmarks/results/gpu_load_run11_*.json
+    python3 benchmarks/archive/burst_timeline.py benchmarks/archive/results/gpu_load_run11_*.json
 """
 
 from __future__ import annotations

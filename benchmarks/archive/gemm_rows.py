@@ -7,7 +7,7 @@ counts. This times the model's projections at each row count (bf16 `F.linear` wi
 weights, as vLLM's unquantized layers call it: cuBLAS picks by the layout too) and prints the
 step's GEMM time and its cost per row, the layers weighted by how many the model has.
 
-    python3 benchmarks/gemm_rows.py --model .gpu/model27b --rows 16208,16305,16336,16384
+    python3 benchmarks/archive/gemm_rows.py --model .gpu/model27b --rows 16208,16305,16336,16384
 """
 
 from __future__ import annotations

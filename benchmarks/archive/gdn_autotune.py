@@ -8,7 +8,8 @@ next. This times every configuration on the model's GDN shapes at the warm-up's 
 a saturated step's chunks, then lets the autotuner pick several times at the warm-up's length, as an
 engine start does, and at longer ones, and prints what each pick costs at the step's length.
 
-    python3 benchmarks/gdn_autotune.py --model .gpu/model27b --tokens 16320 --tune-at 64,1024,4096
+    python3 benchmarks/archive/gdn_autotune.py --model .gpu/model27b --tokens 16320 \\
+      --tune-at 64,1024,4096
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ chunk. Each answer is compared with vLLM's in one chunk (the test's reference): 
 and the reference's top-1 margin there. A parting of vLLM's own 512-token run says the cache is
 not the cause. Writes chunked_prefill_parting_<variant>.md and .json.
 
-    python3 benchmarks/chunked_prefill_parting.py --variant awq-moe --out DIR
+    python3 benchmarks/archive/chunked_prefill_parting.py --variant awq-moe --out DIR
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     report = [
         f"# Prefill chunking and the greedy answer: {args.variant}",
         "",
-        f"Command: `python3 benchmarks/chunked_prefill_parting.py --variant {args.variant}`, "
+        "Command: `python3 benchmarks/archive/chunked_prefill_parting.py "
+        f"--variant {args.variant}`, "
         f"{time.monotonic() - t0:.0f} s. Prompt: seed {PROMPT_SEED}, {PROMPT_TOKENS} tokens, "
         f"{ANSWER} greedy tokens; eager; no request cached anything.",
         "",

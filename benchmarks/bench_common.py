@@ -67,10 +67,21 @@ def vllm_cpu() -> str:
 # --- engines -----------------------------------------------------------------------------------
 
 
+def model_config(model: str) -> dict[str, Any]:
+    """The `config.json` of ``model``: a local directory, or a Hugging Face model id (only that
+    file is fetched, into the Hugging Face cache, as vLLM itself does for a config)."""
+    path = Path(model) / "config.json"
+    if not path.exists():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    return dict(json.loads(path.read_text()))
+
+
 def vocab_size(model: str) -> int:
-    """The vocabulary of the model directory's `config.json` (a vision-language config keeps it
-    in `text_config`)."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    """The vocabulary of the model's `config.json` (a vision-language config keeps it in
+    `text_config`)."""
+    cfg = model_config(model)
     return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
 
 
@@ -107,10 +118,10 @@ def gpu_engine_kwargs(
 
 
 def gpu_parser() -> argparse.ArgumentParser:
-    """The options of every GPU measurement script: ``--model`` (a model directory) and
-    ``--out`` (the directory for its reports), both required."""
+    """The options of every GPU measurement script: ``--model`` (a model directory or a Hugging
+    Face model id) and ``--out`` (the directory for its reports), both required."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="a model directory or Hugging Face id")
     parser.add_argument("--out", required=True)
     return parser
 

@@ -27,6 +27,7 @@ from bench_common import (
     add_tensor_parallel_option,
     gpu_engine_kwargs,
     gpu_parser,
+    model_config,
     parallel_kwargs,
     publish,
     random_prompt,
@@ -182,7 +183,8 @@ def tap_copy_ms(model: str) -> float:
 
     from vllm_hpc.runtime.plan import StateCopy
 
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    config = model_config(model)
+    cfg = config.get("text_config", config)  # a vision-language config keeps the text model's
     layers = sum(t == "linear_attention" for t in cfg["layer_types"])
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]

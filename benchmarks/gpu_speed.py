@@ -537,7 +537,9 @@ def device_name(cpu: bool) -> str:
 
 def parse_args() -> Any:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="model directory (default with --cpu: the tiny model)")
+    ap.add_argument(
+        "--model", help="model directory or Hugging Face id (default with --cpu: the tiny model)"
+    )
     ap.add_argument("--out", required=True, help="directory for gpu_speed.json and .md")
     ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small defaults")
     ap.add_argument("--prefill-len", type=int, help="tokens of each cold prompt (16384; CPU 2048)")

@@ -1084,7 +1084,9 @@ def add_plugin_options(ap: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The options; sizes default to None so the profile (GPU or --cpu) fills them in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="model directory (default with --cpu: the tiny model)")
+    ap.add_argument(
+        "--model", help="model directory or Hugging Face id (default with --cpu: the tiny model)"
+    )
     ap.add_argument("--out", required=True, help="directory for load.json and load.md")
     ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small defaults")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated sides")

@@ -400,7 +400,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     parser.add_argument("--profile", choices=PROFILES, default="cpu")
     parser.add_argument(
         "--model",
-        help="GPU: a model directory with config.json (dummy weights unless --load-format "
+        help="GPU: a model directory or Hugging Face id (dummy weights unless --load-format "
         "auto); CPU: a model with real weights instead of the tiny one "
         "(e.g. vllm_hpc.tiny_model.tiny_mtp_path())",
     )

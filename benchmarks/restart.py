@@ -306,7 +306,9 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="model directory (default with --cpu: the tiny model)")
+    ap.add_argument(
+        "--model", help="model directory or Hugging Face id (default with --cpu: the tiny model)"
+    )
     ap.add_argument("--out", type=Path, required=True, help="directory for restart.json and .md")
     ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small sizes")
     ap.add_argument("--dir", type=Path, help="directory of the cache file (default: a temp dir)")

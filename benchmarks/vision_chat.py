@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import add_eager_option, gpu_engine_kwargs, publish, revision, table_head
+from bench_common import (
+    add_eager_option,
+    gpu_engine_kwargs,
+    model_config,
+    publish,
+    revision,
+    table_head,
+)
 
 from vllm_hpc.tiny_model import VISION_RECIPE, llm_kwargs, tiny_model_path
 
@@ -48,7 +55,7 @@ def image(seed: int, tiles: tuple[int, int]) -> Any:
 
 def vision_ids(model: str) -> tuple[int, int, int]:
     """<|vision_start|>, <|image_pad|>, <|vision_end|> of the model's config."""
-    config = json.loads((Path(model) / "config.json").read_text())
+    config = model_config(model)
     return config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]
 
 
@@ -155,7 +162,9 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="vision-language model directory (--cpu: the tiny one)")
+    parser.add_argument(
+        "--model", help="vision-language model directory or Hugging Face id (--cpu: the tiny one)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="the tiny vision-language model")
     parser.add_argument("--sessions", type=int, default=4)

@@ -52,7 +52,7 @@ CPU, tiny model (a few minutes):
 
     .venv/bin/python benchmarks/load.py --cpu --out /tmp/load_cpu
 
-H200, 27B shape with dummy weights (after the staging calls; see README "Benchmark"):
+H200, 27B shape, dummy weights (this project's lent device; elsewhere see `benchmarks/README.md`):
 
     source .gpu/env.sh && bash scripts/gpu_plugin.sh && \\
     python3 benchmarks/load.py --model .gpu/model27b --out $OUT

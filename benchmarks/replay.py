@@ -16,7 +16,7 @@ CPU, tiny model (a few minutes):
 
     .venv/bin/python benchmarks/replay.py --out benchmarks/results
 
-GPU, a config.json with dummy weights (see README "Benchmark" for the staging):
+GPU, a config.json with dummy weights (`benchmarks/README.md` says how to run it elsewhere):
 
     python3 benchmarks/replay.py --profile gpu --model .gpu/model27b --traces .gpu/traces --out $OUT
 """

@@ -6,8 +6,8 @@ Each server runs with ``--kv-cache-manager hybrid-prefix --kv-events-config
 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'``. The
 scorer subscribes to every server's event stream and keeps, per replica, the blocks it holds
 (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`, vLLM's events) and the points where a
-recurrent state can be resumed (the snapshot events in the batch's trailing field, see the
-README's "KV cache events"). For a prompt's token ids it names the replica with the deepest
+recurrent state can be resumed (the snapshot events in the batch's trailing field, see
+`docs/kv-events.md`). For a prompt's token ids it names the replica with the deepest
 resumable point: the deepest snapshot whose anchor chain and tail are the prompt's own tokens,
 else the deepest matching block (attention KV alone cannot resume a hybrid model, so a block
 match ranks below any snapshot). Ties go to the replicas in turn.

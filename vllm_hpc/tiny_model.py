@@ -1,6 +1,6 @@
 """The embedded default model: a tiny random-weight Qwen3.5, built locally, no downloads.
 
-Tests, examples and the README's main job run on it. It has the real architecture
+Tests, examples and the README's demo run on it. It has the real architecture
 (`Qwen3_5ForCausalLM`: Gated DeltaNet layers plus a full-attention layer), so every cache path
 runs vLLM's real kernels, and it is small enough that a CPU engine starts in seconds.
 

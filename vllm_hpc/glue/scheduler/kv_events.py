@@ -7,7 +7,7 @@ each block hashed by vLLM's own `hash_block_tokens` and configured hash function
 plugin's 64-token block, chained through the parent's hash, so a consumer that hashes a prompt
 the way vLLM does finds the blocks. The tree's tenant key stands in the first block's extra
 keys as vLLM's `cache_salt` does (a LoRA adapter, prompt embeddings or media digests give keys
-of the plugin's own, see README "KV cache events").
+of the plugin's own, see `docs/kv-events.md`).
 
 Snapshots (where a recurrent state can be resumed) have no vLLM event type, and vLLM's decoder
 fails on an unknown tag inside `events`. They travel in a trailing field of the batch,

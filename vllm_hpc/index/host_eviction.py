@@ -1,4 +1,4 @@
-"""Host-tier victim selection (§9.3): dead KV, then superseded snapshots, then GDSF.
+"""Host-tier victim selection (§9.3), step by step in `eviction_order.HOST_EVICTION` order.
 
 Only decides; ``CacheStore`` carries the decision out and asks again, so the dead-KV sweep runs
 again after every snapshot eviction (the victim's exclusive path has just become dead).
@@ -11,20 +11,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.eviction_order import HOST_EVICTION, HostStep, first_found, value_key
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.types import Residency
 
 
 @dataclass(frozen=True, slots=True)
 class DeadBlock:
-    """Step 1: a host block no snapshot can reach; it can never produce a hit."""
+    """`HostStep.DEAD_KV`: a host block no snapshot can reach."""
 
     node: BlockNode
 
 
 @dataclass(frozen=True, slots=True)
 class StaleSnapshot:
-    """Step 2: the oldest superseded snapshot loses its host copy, L unchanged. The spec evicts
+    """`HostStep.SUPERSEDED`: the snapshot loses its host copy, L unchanged. The spec evicts
     it entirely; a copy still in a device slot is kept here, since it costs the host nothing and
     device slot eviction takes superseded owners first anyway."""
 
@@ -33,7 +34,7 @@ class StaleSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ValuedSnapshot:
-    """Step 3: the retained snapshot with minimum H; L rises to its H."""
+    """`HostStep.VALUE`: the retained snapshot loses its host copy; L rises to its H."""
 
     snapshot: Snapshot
 
@@ -61,25 +62,31 @@ class HostEvictor:
     def next_victim(self, snapshots: Iterable[Snapshot], limit: float | None) -> HostVictim | None:
         """The next host victim, or None when nothing may go.
 
-        ``limit``: a snapshot image write stops at step 3 rather than evict a snapshot worth more
-        than the new one (GDSF never inserts what it would evict next).
+        ``limit``: a snapshot image write stops at `HostStep.VALUE` rather than evict a snapshot
+        worth more than the new one (GDSF never inserts what it would evict next).
         """
-        for node in self.dead:
-            # Leaves first: dropping a host-only interior node would delete its subtree.
-            if node.children is None or node.device is Residency.RESIDENT:
-                return DeadBlock(node)
-        for snapshot in self.superseded:
-            if snapshot.restore_pins == 0 and snapshot.holds_host:
-                return StaleSnapshot(snapshot)
-        best: Snapshot | None = None
-        for snapshot in snapshots:
-            if (
-                not snapshot.superseded
-                and snapshot.restore_pins == 0
-                and snapshot.holds_host
-                and (best is None or snapshot.priority < best.priority)
-            ):
-                best = snapshot
-        if best is None or (limit is not None and best.priority > limit):
-            return None
-        return ValuedSnapshot(best)
+        return first_found(HOST_EVICTION, lambda step: self._victim(step, snapshots, limit))
+
+    def _victim(
+        self, step: HostStep, snapshots: Iterable[Snapshot], limit: float | None
+    ) -> HostVictim | None:
+        match step:
+            case HostStep.DEAD_KV:
+                for node in self.dead:
+                    # Leaves first: dropping a host-only interior node would delete its subtree.
+                    if node.children is None or node.device is Residency.RESIDENT:
+                        return DeadBlock(node)
+            case HostStep.SUPERSEDED:
+                for snapshot in self.superseded:
+                    if snapshot.restore_pins == 0 and snapshot.holds_host:
+                        return StaleSnapshot(snapshot)
+            case HostStep.VALUE:
+                retained = (
+                    s
+                    for s in snapshots
+                    if not s.superseded and s.restore_pins == 0 and s.holds_host
+                )
+                best = min(retained, key=value_key, default=None)
+                if best is not None and (limit is None or best.priority <= limit):
+                    return ValuedSnapshot(best)
+        return None

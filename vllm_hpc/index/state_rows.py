@@ -3,13 +3,8 @@
 States and KV pages share the device page space (`DevicePagePool`): a state is one row of
 ``row_pages`` consecutive pages. A row can become a state when each of its pages is free or a
 cached page nothing holds (an entry of the device LRU); those entries are evicted first. The
-choice is a pure decision, like `DeviceSnapshotSlots.choose`: the store evicts, then takes it.
-
-Order: a row that is all free (the highest, since KV pages are taken lowest first); else the row
-that the device LRU would empty first: the one whose most recently used entry is the oldest, in
-the LRU's own order (host-backed entries before unbacked ones, §9.1). A row of host-backed
-entries therefore goes before any row that loses a last copy (§9.4), and the eviction follows
-the LRU's recency as closely as whole rows allow.
+choice is a pure decision, like `DeviceSnapshotSlots.replacement`: the store evicts, then takes
+it. Which row is `eviction_order.kv_row_key`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ from dataclasses import dataclass
 
 from vllm_hpc.index.device_lru import DeviceLRU, LruEntry
 from vllm_hpc.index.device_pool import DevicePagePool, PageState
+from vllm_hpc.index.eviction_order import kv_row_key
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.types import PageId, RowId
 
@@ -39,28 +35,29 @@ def choose_kv_row(
     protected: frozenset[PageId] = frozenset(),
     lossless_only: bool = False,
 ) -> RowChoice | None:
-    """The KV row a new state should take, or None when every row holds something in use.
+    """The KV row a new state should take by `kv_row_key`, or None when every row holds
+    something in use.
 
     ``protected`` pages stay (an admission's own source); ``lossless_only`` skips rows with an
-    unbacked page. O(rows) while a whole-free row exists, else O(rows + LRU) on the pages of
-    the rows that are entirely free or cached."""
+    unbacked page. O(rows) while a whole-free row exists (the key's first, highest first), else
+    O(rows + LRU) on the pages of the rows that are entirely free or cached."""
     for row in pool.whole_free_rows():
         return RowChoice(row, (), 0, -1)
     k = pool.row_pages
     rows = [
-        r for r in range(pool.num_rows) if pool.row_free(RowId(r)) + pool.row_cached(RowId(r)) == k
+        RowId(r)
+        for r in range(pool.num_rows)
+        if pool.row_free(RowId(r)) + pool.row_cached(RowId(r)) == k
     ]
     if not rows:
         return None
     ranks = {_page(entry): (rank, entry) for rank, entry in enumerate(lru.order())}
-    best: RowChoice | None = None
-    for r in reversed(rows):
-        choice = _evictable(pool, lru, ranks, RowId(r), protected)
-        if choice is None or (lossless_only and choice.unbacked):
-            continue
-        if best is None or choice.newest < best.newest:
-            best = choice
-    return best
+    choices = (_evictable(pool, lru, ranks, row, protected) for row in rows)
+    return min(
+        (c for c in choices if c is not None and not (lossless_only and c.unbacked)),
+        key=lambda c: kv_row_key(c.newest, c.row),
+        default=None,
+    )
 
 
 def _evictable(

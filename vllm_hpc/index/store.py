@@ -7,16 +7,26 @@ changes. Copies are bookkeeping only: dropping one frees an id, it never waits f
 
 from __future__ import annotations
 
+from collections import deque
+
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_lru import DeviceLRU, LruEntry
 from vllm_hpc.index.device_pool import DevicePagePool, PageState
+from vllm_hpc.index.eviction_order import (
+    KV_PAGE_ROOM,
+    SNAPSHOT_SLOT_ROOM,
+    STATE_ROW_ROOM,
+    Room,
+    first_found,
+    loses_nothing,
+)
 from vllm_hpc.index.gdsf import GdsfValuation
 from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
 from vllm_hpc.index.host_pool import HostSlabPool
 from vllm_hpc.index.journal import Journal
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, SlotRule, may_give_way
+from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, may_give_way
 from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
 from vllm_hpc.index.state_rows import choose_kv_row
 from vllm_hpc.index.stats import CacheStats
@@ -88,7 +98,7 @@ class CacheStore:
             self.tree.discard_root_if_idle(node)
             return
         if node.device is Residency.RESIDENT and not node.held:
-            if self.lru.place(node, backed=node.host is Residency.RESIDENT):
+            if self.lru.place(node):
                 self.prefetch_epoch += 1
         else:
             self.lru.remove(node)
@@ -103,7 +113,7 @@ class CacheStore:
         if self.journal is not None:
             self.journal.snapshot(snapshot)
         if snapshot.tail_device is Residency.RESIDENT and snapshot.restore_pins == 0:
-            if self.lru.place(snapshot, backed=snapshot.tail_host is Residency.RESIDENT):
+            if self.lru.place(snapshot):
                 self.prefetch_epoch += 1
         else:
             self.lru.remove(snapshot)
@@ -400,30 +410,35 @@ class CacheStore:
         return self.pages.capacity - (self.pages.row_pages if self.pages.num_rows else 0)
 
     def make_device_room(self, count: int) -> bool:
-        """Evict until ``count`` pages are free, or return False at once. What loses nothing
-        goes first, as in `take_state_row`: host-backed LRU pages, then a superseded or
-        host-backed snapshot's row (`DeviceSnapshotSlots.give_way`), then unbacked LRU pages,
-        then a device-only snapshot's row. Exact (`available_pages`)."""
+        """Evict in `KV_PAGE_ROOM` order until ``count`` pages are free, or return False at
+        once. Exact (`available_pages`)."""
         if self.pages.num_free >= count:  # the common case: no count of what could go
             return True
         if self.available_pages < count:
             return False
-        # Evicting pages never makes a snapshot superseded or host-backed: once no lossless row
-        # is left, the unbacked pages go without asking the slots (an O(D) scan) for each one.
-        lossless_left = True
+        # Evicting never supersedes a snapshot, gives one a host copy or puts an entry on the
+        # LRU: a source found empty is not asked again (the snapshots' is an O(D) scan).
+        sources = deque(KV_PAGE_ROOM)
         while self.pages.num_free < count:
-            entry = self.lru.victim()
-            if entry is not None and self.lru.is_backed(entry):
-                self._evict(entry)
-                continue
-            victim = self.slots.give_way(self.plan) if lossless_left or entry is None else None
-            if victim is not None and (entry is None or _lossless(victim)):
-                self._drop_image(victim)
-                continue
-            lossless_left = False
-            assert entry is not None, "available_pages counted a row that cannot go"
-            self._evict(entry)
+            assert sources, "available_pages counted a row that cannot go"
+            if not self._free_pages_from(sources[0]):
+                sources.popleft()
         return True
+
+    def _free_pages_from(self, source: Room) -> bool:
+        """Free a page, or a snapshot's row of them, from ``source``; False when it has none."""
+        match source:
+            case Room.BACKED_PAGE | Room.UNBACKED_PAGE:
+                entry = self.lru.oldest(backed=source is Room.BACKED_PAGE)
+                if entry is not None:
+                    self._evict(entry)
+                return entry is not None
+            case Room.LOSSLESS_SNAPSHOT | Room.SNAPSHOT:
+                victim = self._giving_way(source, self.plan, None)
+                if victim is not None:
+                    self._drop_image(victim)
+                return victim is not None
+        raise ValueError(f"KV pages do not come from a {source.value}")
 
     def _evict(self, entry: LruEntry) -> None:
         """Drop one device LRU entry's page, counted as backed or unbacked (§9.1, §9.4)."""
@@ -461,40 +476,33 @@ class CacheStore:
         return True
 
     def take_slot(self, new_priority: float) -> SlotId | None:
-        """A device snapshot slot by the §9.2 order, staged for a capture; None to skip.
+        """A device snapshot slot for a capture, by `SNAPSHOT_SLOT_ROOM`, staged; None to skip
+        it. ``new_priority`` is the capture's estimated value (`may_replace`)."""
+        if self.slots.num_free and not self.pages.num_rows:
+            return self._stage(self.slots.next_free, None)
+        return first_found(SNAPSHOT_SLOT_ROOM, lambda source: self._slot_from(source, new_priority))
 
-        Where states share the page space, a free slot needs a row: one that loses nothing
-        (all free, or cached pages with host copies) comes first, then an owner's slot by
-        §9.2, then the row of cached pages the device LRU would empty first."""
-        choice = self.slots.choose(new_priority)
-        row: RowId | None = None
-        if choice is not None and choice.rule is SlotRule.FREE and self.pages.num_rows:
-            row = self._take_quarantined()
-            if row is None:
-                row = self._take_kv_row(frozenset(), lossless_only=True)
-            if row is None:
-                recycled = self.slots.choose(new_priority, use_free=False)
-                if recycled is not None:
-                    choice = recycled
-                else:
-                    row = self._take_kv_row(frozenset(), lossless_only=False)
-                    if row is None:
-                        return None
-        if choice is None:
+    def _slot_from(self, source: Room, new_priority: float) -> SlotId | None:
+        """A slot from ``source``, staged with its row; None when it has none."""
+        if source is Room.REPLACED_SNAPSHOT:
+            victim = self.slots.replacement(new_priority)
+            if victim is None:
+                return None
+            assert victim.slot is not None
+            slot, row = victim.slot, self.slot_rows.pop(victim.slot, None)
+            self._drop_image(victim)
+            return self._stage(slot, row)
+        if not self.slots.num_free:
             return None
-        victim = choice.victim
-        if victim is not None:
-            row = self.slot_rows.pop(choice.slot, None)
-            self.stats.slot_evictions += 1
-            if choice.rule is SlotRule.DEVICE_ONLY:
-                self.value.inflate(victim.priority)
-                self.delete_snapshot(victim)
-            else:
-                self.drop_snapshot_image_device(victim)
-        self.slots.stage(choice.slot)
+        slot = self.slots.next_free  # before the row: evicting for it may free other slots
+        row = self._row_from(source, frozenset(), None)
+        return None if row is None else self._stage(slot, row)
+
+    def _stage(self, slot: SlotId, row: RowId | None) -> SlotId:
+        self.slots.stage(slot)
         if row is not None:
-            self.slot_rows[choice.slot] = row
-        return choice.slot
+            self.slot_rows[slot] = row
+        return slot
 
     def release_slot(self, slot: SlotId, row_unused: bool) -> None:
         """Free a slot and give its row back to KV: at once when no copy of the plan being
@@ -507,25 +515,27 @@ class CacheStore:
     # -- state rows (§5.4 as built) ---------------------------------------------------------
 
     def take_state_row(self, protected: frozenset[PageId], keep: Snapshot | None) -> RowId | None:
-        """A row for a running request's state (§9.5: active requests win), or None when every
-        row holds something in use. Nothing is lost first (a free row, or cached pages with
-        host copies), then a snapshot slot that is superseded or host-backed, then the row of
-        cached pages the device LRU would empty first, then a device-only snapshot (`give_way`).
-        ``protected`` pages and ``keep`` (the admission's own source) stay."""
-        row = self._take_quarantined()
-        if row is None:
-            row = self._take_kv_row(protected, lossless_only=True)
-        if row is None:
-            victim = self.slots.give_way(exclude=keep)
-            if victim is not None and _lossless(victim):
-                row = self._row_of_snapshot(victim)
-            else:
-                row = self._take_kv_row(protected, lossless_only=False)
-                if row is None and victim is not None:
-                    row = self._row_of_snapshot(victim)
+        """A row for a running request's state (§9.5: active requests win), by
+        `STATE_ROW_ROOM`, or None when every row holds something in use. ``protected`` pages
+        and ``keep`` (the admission's own source) stay."""
+        row = first_found(STATE_ROW_ROOM, lambda source: self._row_from(source, protected, keep))
         if row is not None:
             self.active_rows.add(row)
         return row
+
+    def _row_from(
+        self, source: Room, protected: frozenset[PageId], keep: Snapshot | None
+    ) -> RowId | None:
+        """A row for a state from ``source``, evicting what it holds; None when it has none."""
+        match source:
+            case Room.GIVEN_BACK_ROW:
+                return self._take_quarantined()
+            case Room.LOSSLESS_KV_ROW | Room.KV_ROW:
+                return self._take_kv_row(protected, source is Room.LOSSLESS_KV_ROW)
+            case Room.LOSSLESS_SNAPSHOT | Room.SNAPSHOT:
+                victim = self._giving_way(source, None, keep)
+                return None if victim is None else self._row_of_snapshot(victim)
+        raise ValueError(f"a state row does not come from a {source.value}")
 
     @property
     def state_rows_held(self) -> int:
@@ -583,17 +593,21 @@ class CacheStore:
         self._drop_image(victim)
         return row
 
+    def _giving_way(
+        self, source: Room, plan: int | None, exclude: Snapshot | None
+    ) -> Snapshot | None:
+        """The next owner by `GIVE_WAY`, or None; for `Room.LOSSLESS_SNAPSHOT`, only one that
+        loses nothing."""
+        victim = self.slots.give_way(plan, exclude)
+        if victim is None or (source is Room.LOSSLESS_SNAPSHOT and not loses_nothing(victim)):
+            return None
+        return victim
+
     def _drop_image(self, victim: Snapshot) -> None:
         """The victim gives its slot up and loses its device image (and, device-only,
         everything). L rises only for a value victim: a superseded one goes first by rule
         (§9.2, §9.3)."""
         self.stats.slot_evictions += 1
-        if not _lossless(victim):
+        if not loses_nothing(victim):
             self.value.inflate(victim.priority)
         self.drop_snapshot_image_device(victim)
-
-
-def _lossless(snapshot: Snapshot) -> bool:
-    """Whether dropping the snapshot's device image loses nothing a request could resume from:
-    it is superseded, or its image has a host copy."""
-    return snapshot.superseded or snapshot.image_host is Residency.RESIDENT

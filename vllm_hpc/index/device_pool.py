@@ -106,10 +106,6 @@ class DevicePagePool:
         start = self.first_id + row * self.row_pages
         return range(start, start + self.row_pages)
 
-    def row_of(self, page: PageId) -> RowId | None:
-        index = (page - self.first_id) // self.row_pages if self.row_pages else self.num_rows
-        return RowId(index) if index < self.num_rows else None
-
     def row_free(self, row: RowId) -> int:
         return self._row_free[row]
 

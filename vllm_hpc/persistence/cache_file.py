@@ -362,10 +362,6 @@ def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any] | None) -> C
     return CacheFile(target, saved, tuple(sections), data_offset, identity)
 
 
-class _Cancelled(Exception):
-    """The save's cancel hook answered True."""
-
-
 class _Meter:
     """Reports progress about every PROGRESS_BYTES, so a large file logs a few lines."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from vllm_hpc.index import BLOCK_TOKENS, HostGeometry, IndexConfig, TapPolicy
+from vllm_hpc.index import HostGeometry, IndexConfig, TapPolicy, pages_for
 from vllm_hpc.index.tap_planner import (
     SPEC_LADDER_TOKENS,
     SPEC_MIN_GAP_TOKENS,
@@ -141,7 +141,7 @@ def check_one_request_fits(
     """Refuse a KV cache that cannot hold one request of --max-model-len tokens with its state
     rows (``lane_rows``: `RuntimeConfig.lane_rows`) beside the scratch row (vLLM's own check
     counts the KV pages alone)."""
-    need = -(-max_model_len // BLOCK_TOKENS) + row_pages * lane_rows
+    need = pages_for(max_model_len) + row_pages * lane_rows
     usable = device_pages - row_pages
     if need > usable:
         raise OptionError(

@@ -50,6 +50,7 @@ from vllm_hpc.index.types import (
     SlotId,
     SnapshotId,
     SnapshotKind,
+    pages_for,
 )
 
 __all__ = [
@@ -104,6 +105,7 @@ __all__ = [
     "TapRequest",
     "TapSource",
     "file_placement",
+    "pages_for",
     "plan_host_restore",
     "prepare_prompt",
     "resume_floor",

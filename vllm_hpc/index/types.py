@@ -12,6 +12,12 @@ from typing import NewType
 BLOCK_TOKENS = 64
 """Tokens per KV block; the unit of identity (§5.1)."""
 
+
+def pages_for(tokens: int) -> int:
+    """KV pages (blocks) that hold ``tokens`` tokens: the last one may be partial."""
+    return -(-tokens // BLOCK_TOKENS)
+
+
 TOKEN_BYTES = 4
 """Tokens are stored packed as signed 32-bit integers (``array('i')``)."""
 

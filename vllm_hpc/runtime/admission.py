@@ -24,8 +24,9 @@ from vllm_hpc.index import (
     TapPlanner,
     TapRequest,
     TapSource,
+    pages_for,
 )
-from vllm_hpc.runtime.capture import aligned_tail, pages_for, plan_exact_tap
+from vllm_hpc.runtime.capture import aligned_tail, plan_exact_tap
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import HostRestore, ImageCopy, PageCopy, PageSlab, StateCopy

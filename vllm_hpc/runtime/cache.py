@@ -74,7 +74,7 @@ class HybridPrefixCache:
         self.pipeline = StepPipeline(self.index, config.index.geometry)
         self.admission = Admission(config, self.index, self.pipeline)
         self.captures = Captures(
-            self.index, self.pipeline, self.admission, config.in_pass_taps, config.chunk_tokens
+            self.index, self.pipeline, config.in_pass_taps, config.chunk_tokens
         )
         self.audits = AuditCounters()
         """Kept by the glue's cache audit, reported with the rest."""
@@ -162,6 +162,7 @@ class HybridPrefixCache:
         num_computed: int,
         in_flight: InFlight | None = None,
     ) -> None:
+        self.admission.leave(lane)
         self.captures.finish(lane, token_ids, num_computed, in_flight)
 
     # -- reporting --------------------------------------------------------------------------

@@ -14,7 +14,6 @@ handed out, since vLLM runs the page copies of one step together.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind, TapSource
 from vllm_hpc.runtime.lane import Capture, Lane
@@ -22,22 +21,17 @@ from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
 from vllm_hpc.runtime.records import InFlight
 
-if TYPE_CHECKING:
-    from vllm_hpc.runtime.admission import Admission
-
 
 class Captures:
     def __init__(
         self,
         index: PrefixIndex,
         pipeline: StepPipeline,
-        admission: Admission,
         in_pass: bool,
         chunk_tokens: int,
     ) -> None:
         self.index = index
         self.pipeline = pipeline
-        self.admission = admission
         self.in_pass_taps = in_pass
         self.chunk_tokens = chunk_tokens
         """The most tokens one request's chunk gets in a step (`RuntimeConfig.chunk_tokens`)."""
@@ -225,7 +219,6 @@ class Captures:
         begins later (the last one committed tokens past a stop), or a second step (an abort or
         a preemption between them), overwrites the rows that held it: only the known blocks are
         committed, and no endpoint is taken."""
-        self.admission.leave(lane)
         if lane.lease is None:
             self._release(lane)
             return
@@ -268,10 +261,6 @@ class Captures:
             if write is not None:
                 self.pipeline.write_through(write)
             lane.lease = None
-
-
-def pages_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_TOKENS)
 
 
 def aligned_tail(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_hpc.glue.worker.kv_views import as_units, forward_position
 from vllm_hpc.glue.worker.state_pool import StatePool
 from vllm_hpc.index import HostGeometry
 
@@ -100,24 +101,6 @@ class DeviceLayout:
         if len(devices) != 1:
             raise ValueError(f"KV caches and state pool are on several devices: {devices}")
         return cls(tuple(layers), devices.pop(), num_pages, state_pool.num_slots)
-
-
-def forward_position(name: str) -> int:
-    """The layer index in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    raise ValueError(f"no layer index in layer name {name!r}")
-
-
-def as_units(tensor: torch.Tensor, units: int) -> torch.Tensor:
-    """``tensor`` with ``units`` (pages or slots) as its first dimension: vLLM splits a page
-    into equal kernel blocks when the backend asks for smaller ones."""
-    if tensor.shape[0] == units:
-        return tensor
-    if tensor.shape[0] % units:
-        raise ValueError(f"tensor of shape {tuple(tensor.shape)} is not {units} pages")
-    return tensor.unflatten(0, (units, -1))
 
 
 def _planes(tensor: torch.Tensor, units: int, record_offset: int) -> list[Plane]:

@@ -24,6 +24,7 @@ import torch
 from vllm_hpc.faults import InjectedFault, armed
 from vllm_hpc.glue.row_layout import RowLayout, aligned_state_bytes, plan_rows, spans_of
 from vllm_hpc.glue.worker.in_pass import StepCaptures, device_index
+from vllm_hpc.glue.worker.kv_views import as_units, forward_position
 from vllm_hpc.runtime.plan import StateCopy
 
 
@@ -90,8 +91,6 @@ class StatePool:
     def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> RowLayout:
         """Lay the states over the attention layers' pages (`register_kv_caches` hands over
         vLLM's views) and zero the scratch row. Idempotent for the same buffer."""
-        from vllm_hpc.glue.worker.host_layout import as_units, forward_position
-
         attention = [t for name, t in kv_caches.items() if name not in self._specs]
         if not attention:
             raise ValueError("no attention layer among the KV caches to put states in")

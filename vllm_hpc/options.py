@@ -38,19 +38,14 @@ class OptionSpec:
     key: str
     flag: str
     help: str
-    """Help text; its ``{name}`` fields are defaults the plugin derives (`help_text`)."""
+    """Help text; its ``{name}`` fields are defaults the plugin derives
+    (`vllm_hpc.derived.HELP_DEFAULTS`), filled in where the flags are added
+    (`vllm_hpc.glue.frontend.engine_args.add_plugin_flags`)."""
     parse: Callable[[str, Any], Any]
     """(flag, raw value) -> value; raises OptionError naming the flag."""
     choices: tuple[str, ...] = ()
     is_flag: bool = False
     """A boolean switch on the command line (no value)."""
-
-    def help_text(self) -> str:
-        """The help with the derived defaults filled in (`vllm_hpc.derived`, which imports this
-        module, so it is imported here rather than at the top)."""
-        from vllm_hpc.derived import HELP_DEFAULTS
-
-        return self.help.format(**HELP_DEFAULTS)
 
 
 def _choice(flag: str, value: Any) -> KVCacheManager:

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_hpc.derived import HELP_DEFAULTS
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.architecture import ArchitectureOverride
 from vllm_hpc.glue.versions import (
@@ -130,8 +131,9 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
             {"action": "store_true"} if spec.is_flag else {"choices": spec.choices or None}
         )
         # Absent unless given, so a flag never hides an --additional-config key.
+        help_text = spec.help.format(**HELP_DEFAULTS)
         group.add_argument(
-            spec.flag, dest=spec.key, default=argparse.SUPPRESS, help=spec.help_text(), **extra
+            spec.flag, dest=spec.key, default=argparse.SUPPRESS, help=help_text, **extra
         )
 
 

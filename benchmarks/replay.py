@@ -418,7 +418,11 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for JSON and report")
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        default=",".join(c for c in CONFIGS if c != "native-best"),
+        help="comma-separated; native-best (vLLM 0.34's flags) only when asked for",
+    )
     parser.add_argument(
         "--host-cache-mib",
         type=int,
@@ -453,6 +457,11 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
+    if "native-best" in args.configs.split(","):
+        from vllm.engine.arg_utils import EngineArgs
+
+        if not hasattr(EngineArgs, "cache_aware_admission_window"):
+            parser.error("native-best uses vLLM 0.34's caching flags; this vLLM predates them")
     base = PROFILES[args.profile]
     profile = Profile(
         **{

@@ -53,7 +53,7 @@ def _batch(chunk_offsets: torch.Tensor | None) -> tuple[SimpleNamespace, StepCap
         chunk_offsets=chunk_offsets,
     )
     captures = StepCaptures.build(
-        [InPassCapture(slot=3, offset=128, dst=8), InPassCapture(slot=7, offset=256, dst=9)],
+        [InPassCapture(row=3, offset=128, dst=8), InPassCapture(row=7, offset=256, dst=9)],
         torch.device("cpu"),
     )
     return metadata, captures

@@ -34,8 +34,8 @@ def test_a_block_aligned_exact_tap_does_not_split_the_chunk() -> None:
     chunks, plans = prefill(make_cache(in_pass=True), tokens, breakpoints=(640,))
     assert chunks == [(0, 1000)]
     in_pass = [c for p in plans for c in p.in_pass]
-    row = in_pass[0].slot  # the request's state row
-    assert InPassCapture(slot=row, offset=640, dst=in_pass[0].dst) in in_pass
+    row = in_pass[0].row  # the request's state row
+    assert InPassCapture(row=row, offset=640, dst=in_pass[0].dst) in in_pass
     # The prompt tail's tap, floor64(n - 1), is captured in the pass too.
     assert {c.offset for c in in_pass} == {640, 960}
 

@@ -86,7 +86,7 @@ def test_a_request_waits_while_every_active_slot_is_held() -> None:
     cache.commit(running, first, len(first))
     cache.finish(running, first, len(first))
     later = _admit(cache, "second", second)
-    assert later is not None and later.slot == running.slot
+    assert later is not None and later.row == running.row
     cache.finish(later, second, len(second))
     cache.new_step()
     cache.take_plan()

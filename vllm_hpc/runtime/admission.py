@@ -215,7 +215,7 @@ class Admission:
         rows = self._take_rows(quote)
         if rows is None:
             return None
-        slot, *spec_rows = rows
+        row, *spec_rows = rows
         if quote is not None:
             quote = self._requote(lookup, quote)
             if quote is None:
@@ -232,7 +232,7 @@ class Admission:
             pages = [node.device_page for node in lease.path]  # type: ignore[misc]
             restore = admission.restore
             if restore is not None:
-                from_host = self._plan_restore(restore, slot, pages, private)
+                from_host = self._plan_restore(restore, row, pages, private)
         new = self.pipeline.allocate(pages_for(end) - len(pages))
         if new is None:
             raise RuntimeError(f"a quoted admission of {request.request_id} found no pages")
@@ -240,7 +240,7 @@ class Admission:
         private.update(new)
         lane = Lane(
             request.request_id,
-            slot,
+            row,
             pages,
             private,
             lease,
@@ -297,7 +297,7 @@ class Admission:
         return fresh if same else None
 
     def _plan_restore(
-        self, restore: Restore, slot: int, pages: list[PageId], private: set[PageId]
+        self, restore: Restore, row: int, pages: list[PageId], private: set[PageId]
     ) -> bool:
         """Plan the copies that put the snapshot into the lane; True when any come from the
         host. The lane's copy of a host-only tail is restored from the slab too, so no device
@@ -306,9 +306,9 @@ class Admission:
         image = None
         if restore.image_slot is not None:
             source = self.index.slot_row(restore.image_slot)
-            self.pipeline.plan.state_copies.append(StateCopy(source, slot))
+            self.pipeline.plan.state_copies.append(StateCopy(source, row))
         else:
-            image = ImageCopy(slot, restore.image_slabs)
+            image = ImageCopy(row, restore.image_slabs)
         tail = None
         if restore.tail is not None:
             tail_slab, tail_page = restore.tail

@@ -5,7 +5,7 @@ The scheduler calls it in this order each step::
     new_step()                                    # land last step's restores, publish captures
     lookup(request) -> Lookup                     # waiting request: source and taps (read-only)
     chunk_limit(...)                              # a prefill chunk ends at the next exact tap
-    admit(request, lookup, ...) / grow(lane, ...) # pages and state slot, or None: no room now
+    admit(request, lookup, ...) / grow(lane, ...) # pages and state row, or None: no room now
     on_scheduled(lane, start, end)                # plan the taps this chunk reaches
     take_plan() -> StepPlan                       # the copies the workers run before the step
     ... the step runs ...

@@ -144,7 +144,7 @@ class Captures:
         copy: StateCopy | InPassCapture = (
             lane.state_copy(dst)
             if in_pass_offset is None
-            else InPassCapture(lane.slot, in_pass_offset, dst)
+            else InPassCapture(lane.row, in_pass_offset, dst)
         )
         capture = Capture(
             frontier, kind, slot, _tail(token_ids, frontier), tail_page, copy, page_copy

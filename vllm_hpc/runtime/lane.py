@@ -34,10 +34,10 @@ class Capture:
 
 @dataclass(slots=True, eq=False)
 class Lane:
-    """One running request (a lane): its block table, state slot, cache lease and taps."""
+    """One running request (a lane): its block table, state row, cache lease and taps."""
 
     request_id: str
-    slot: RowId
+    row: RowId
     """Its state row in the device page space (the workers' state index for it)."""
     pages: list[PageId]
     """Block table of the attention group: page of block b at index b."""
@@ -64,23 +64,23 @@ class Lane:
     up to `RuntimeConfig.decode_reserve_tokens` of output."""
     spec_rows: tuple[RowId, ...] = ()
     """With K speculative tokens, K more rows: vLLM's GDN kernel verifies K + 1 tokens in one
-    pass and keeps the recurrent state after token t in the request's row t (``slot`` is row
+    pass and keeps the recurrent state after token t in the request's row t (``row`` is row
     0), so that the next pass resumes from the last accepted one."""
     accepted: int = 1
     """Tokens the lane's last step committed (1 for a prefill chunk): its state after them is the
     recurrent state in ``rows[accepted - 1]`` and the conv window ``accepted - 1`` columns into
-    ``slot``'s conv buffer (vLLM's speculative layout)."""
+    ``row``'s conv buffer (vLLM's speculative layout)."""
 
     @property
     def rows(self) -> tuple[RowId, ...]:
         """Its state rows, as the GDN groups' block table lists them."""
-        return (self.slot, *self.spec_rows)
+        return (self.row, *self.spec_rows)
 
     def state_copy(self, dst: RowId) -> StateCopy:
         """A copy of its committed state into ``dst``, laid out as a prefill leaves it."""
         if self.accepted == 1:
-            return StateCopy(self.slot, dst)
-        return StateCopy(self.slot, dst, self.rows[self.accepted - 1], self.accepted - 1)
+            return StateCopy(self.row, dst)
+        return StateCopy(self.row, dst, self.rows[self.accepted - 1], self.accepted - 1)
 
     @property
     def caching(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class StateCopy:
-    """Copy one state slot (every GDN layer, conv and recurrent state) into another.
+    """Copy one state row (every GDN layer, conv and recurrent state) into another.
 
     After a speculative step the state after the last accepted token is spread out (vLLM's
     layout, `Lane.accepted`): the recurrent state sits in another row of the request, and the
@@ -37,14 +37,14 @@ class StateCopy:
 @dataclass(frozen=True, slots=True)
 class InPassCapture:
     """Save a running request's state ``offset`` tokens into this step's prefill chunk into
-    state slot ``dst``, during the forward pass.
+    state row ``dst``, during the forward pass.
 
     The GDN prefill kernel computes the state at every 64-token chunk of each sequence anyway;
-    a tap there needs no pass of its own (no chunk split), only this copy. ``slot`` is the
-    request's active slot: it names the request's row in the batch.
+    a tap there needs no pass of its own (no chunk split), only this copy. ``row`` is the
+    request's state row: it names the request in the batch.
     """
 
-    slot: int
+    row: int
     offset: int
     dst: int
 
@@ -68,9 +68,9 @@ class PageSlab:
 
 @dataclass(frozen=True, slots=True)
 class ImageCopy:
-    """One state pool slot and the host slabs of its snapshot image, in either direction."""
+    """One state row and the host slabs of its snapshot image, in either direction."""
 
-    slot: int
+    row: int
     slabs: tuple[int, ...]
 
 
@@ -93,7 +93,7 @@ class HostRestore:
     tail: PageSlab | None
     """The snapshot's tail back into a cache-owned page."""
     image: ImageCopy | None
-    """The state into the lane's active slot."""
+    """The state into the lane's state row."""
 
 
 @dataclass(slots=True)

@@ -341,14 +341,14 @@ class HostArena:
         return self._planner.records(pairs[:, 0], pairs[:, 1:], state=False)
 
     def _image_records(self, images: Sequence[ImageCopy]) -> Records:
-        """The images' state slots and their slabs (a row an image), located."""
+        """The images' state rows and their slabs (a row an image), located."""
         count = self.grid.geometry.image_slabs
         for image in images:
             if len(image.slabs) != count:
                 raise ValueError(f"an image takes {count} slabs, not {image.slabs}")
-        slots = np.array([image.slot for image in images], dtype=np.int64)
+        rows = np.array([image.row for image in images], dtype=np.int64)
         slabs = np.array([image.slabs for image in images], dtype=np.int64)
-        return self._planner.records(slots, slabs.reshape(len(images), count), state=True)
+        return self._planner.records(rows, slabs.reshape(len(images), count), state=True)
 
     # -- issuing ----------------------------------------------------------------------------
 

@@ -40,8 +40,8 @@ _HOOKED = "_vllm_hpc_in_pass"
 class StepCaptures:
     """One step's in-pass captures as device tensors, built once and read by every GDN layer."""
 
-    slots: torch.Tensor
-    """The capturing requests' active slots: their rows in the batch."""
+    state_rows: torch.Tensor
+    """The capturing requests' state rows: they name the requests in the batch."""
     offsets: torch.Tensor
     """Tokens into each request's chunk (multiples of 64)."""
     dsts: torch.Tensor
@@ -51,7 +51,7 @@ class StepCaptures:
     @classmethod
     def build(cls, captures: Sequence[InPassCapture], device: torch.device) -> StepCaptures:
         return cls(
-            device_index([c.slot for c in captures], device),
+            device_index([c.row for c in captures], device),
             device_index([c.offset for c in captures], device),
             device_index([c.dst for c in captures], device),
             math.gcd(*(c.offset for c in captures)),
@@ -101,7 +101,7 @@ def capture_layer(
     row's.
     """
     global _pending
-    rows = (metadata.prefill_state_indices[None, :] == captures.slots[:, None]).int().argmax(1)
+    rows = (metadata.prefill_state_indices[None, :] == captures.state_rows[:, None]).int().argmax(1)
     first = metadata.num_decode_tokens + metadata.prefill_query_start_loc[rows] + captures.offsets
     inputs = first[:, None] - window + torch.arange(window, device=first.device)[None, :]
     saved = torch.zeros_like(conv_state[captures.dsts])

@@ -96,7 +96,7 @@ def wave(arena: HostArena, seed: int) -> tuple[list[PageSlab], list[ImageCopy]]:
     blocks = [PageSlab(p, s) for p, s in zip(pages, slabs, strict=False)]
     rest = slabs[len(blocks) :]
     images = [
-        ImageCopy(1 + i % (arena.layout.num_slots - 1), tuple(rest[i * count : (i + 1) * count]))
+        ImageCopy(1 + i % (arena.layout.num_rows - 1), tuple(rest[i * count : (i + 1) * count]))
         for i in range(WAVE_REQUESTS)
     ]
     return blocks, images

@@ -5,7 +5,7 @@ A finishing wave of a 256-request burst on the Qwen3.5-27B shape writes 16 reque
 edges): 5,000-7,000 ranges. Built one Python object a copy, planning and issuing that took 54 ms
 of the engine's one thread a wave on the H200, the size of the burst's decode-tail gap
 (`gpu_load.md`, run 10). Here a kind's ranges (pages, or images) for every layer of a batch come
-from one array expression over the batch's page, slot and slab numbers: planning a wave takes
+from one array expression over the batch's page, row and slab numbers: planning a wave takes
 0.2-0.7 ms.
 
 Every range is (absolute destination address, absolute source address, bytes), the form
@@ -88,7 +88,7 @@ class _Segments:
     the image it touches."""
 
     device: np.ndarray
-    """Address of the piece in unit (page or slot) 0."""
+    """Address of the piece in unit (page or state row) 0."""
     pitch: np.ndarray
     """Bytes from one unit to the next."""
     slab_index: np.ndarray
@@ -106,7 +106,7 @@ class _Segments:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Records:
-    """The units (pages, or state slots) of a batch and their records' slabs, checked and
+    """The units (pages, or state rows) of a batch and their records' slabs, checked and
     located once for every layer: ``units[i]``'s record starts each of its slabs at host
     address ``bases[i, k]``, in chunk ``chunks[i, k]``."""
 
@@ -124,7 +124,7 @@ class RangePlanner:
     ) -> None:
         self._grid = grid
         self._chunk_base = np.array([c.data_ptr() for c in chunks], dtype=np.int64)
-        self._units = {False: layout.num_pages, True: layout.num_slots}
+        self._units = {False: layout.num_pages, True: layout.num_rows}
         rows = {layer.name: self._rows(layer.planes) for layer in layout.layers}
         self._layers = {name: _Segments.of(r) for name, r in rows.items()}
         self._pages, self._images = (
@@ -147,11 +147,11 @@ class RangePlanner:
         return rows
 
     def records(self, units: np.ndarray, slabs: np.ndarray, state: bool) -> Records:
-        """``units[i]`` (pages, or with ``state`` state slots) with its record's slabs
+        """``units[i]`` (pages, or with ``state`` state rows) with its record's slabs
         ``slabs[i]`` (one for a block, the image's for an image), checked and located."""
         bad_unit = units[(units < 0) | (units >= self._units[state])]
         if len(bad_unit):
-            raise IndexError(f"{'state slot' if state else 'page'} {bad_unit[0]} out of range")
+            raise IndexError(f"{'state row' if state else 'page'} {bad_unit[0]} out of range")
         bad_slab = slabs[(slabs < 0) | (slabs >= self._grid.capacity)]
         if len(bad_slab):
             raise IndexError(f"slab {bad_slab[0]} out of range")

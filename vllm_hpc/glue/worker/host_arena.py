@@ -140,7 +140,7 @@ class RestoreHandle(TransferHandle):
     The waits make the *current* stream wait (`cudaStreamWaitEvent`); they never block the CPU.
     The lane's first prefill pass calls `wait_prelude` before anything reads the tail page and
     `wait_layer(name)` just before each layer runs; later passes are stream-ordered behind it.
-    A lane released before its first pass calls `wait_all`: its state slot may still be a
+    A lane released before its first pass calls `wait_all`: its state row may still be a
     destination."""
 
     def __init__(

@@ -1,7 +1,7 @@
-"""Where a host record's bytes live on the device: the planes of a KV page and of a state slot.
+"""Where a host record's bytes live on the device: the planes of a KV page and of a state row.
 
 A block record is one 64-token page over every attention layer; a snapshot image is one state
-slot over every GDN layer. Both are packed layer-major in the model's forward order, so a restore
+row over every GDN layer. Both are packed layer-major in the model's forward order, so a restore
 can land layer by layer and the first prefill pass computes early layers while later ones still
 arrive (§6.5).
 
@@ -29,12 +29,12 @@ from vllm_hpc.index import HostGeometry
 
 @dataclass(frozen=True, slots=True)
 class Plane:
-    """One contiguous byte range of every page (or slot) of a device tensor, ``pitch`` apart."""
+    """One contiguous byte range of every page (or row) of a device tensor, ``pitch`` apart."""
 
     storage: torch.Tensor
     """uint8 over the tensor's whole storage."""
     offset: int
-    """Byte offset in ``storage`` of page (slot) 0's range."""
+    """Byte offset in ``storage`` of page (row) 0's range."""
     pitch: int
     nbytes: int
     record_offset: int
@@ -46,7 +46,7 @@ class LayerPlanes:
     name: str
     planes: tuple[Plane, ...]
     is_state: bool
-    """A GDN layer (planes of a state slot) rather than an attention layer (planes of a page)."""
+    """A GDN layer (planes of a state row) rather than an attention layer (planes of a page)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class DeviceLayout:
     layers: tuple[LayerPlanes, ...]
     device: torch.device
     num_pages: int
-    num_slots: int
+    num_rows: int
 
     @property
     def block_bytes(self) -> int:
@@ -82,7 +82,7 @@ class DeviceLayout:
             name: ((cache, num_pages),) for name, cache in kv_caches.items() if name not in states
         }
         tensors |= {
-            name: tuple((t, state_pool.num_slots) for t in state_pool.layer(name))
+            name: tuple((t, state_pool.num_rows) for t in state_pool.layer(name))
             for name in state_pool.layer_names
         }
         if len(tensors) == len(states):
@@ -100,11 +100,11 @@ class DeviceLayout:
         devices = {p.storage.device for layer in layers for p in layer.planes}
         if len(devices) != 1:
             raise ValueError(f"KV caches and state pool are on several devices: {devices}")
-        return cls(tuple(layers), devices.pop(), num_pages, state_pool.num_slots)
+        return cls(tuple(layers), devices.pop(), num_pages, state_pool.num_rows)
 
 
 def _planes(tensor: torch.Tensor, units: int, record_offset: int) -> list[Plane]:
-    """Split one unit (``tensor[i]``, a page or a slot) into its contiguous byte ranges.
+    """Split one unit (``tensor[i]``, a page or a state row) into its contiguous byte ranges.
 
     A view whose first dimension counts kernel blocks (vLLM splits a page into equal kernel
     blocks when the backend asks for smaller ones) is regrouped into ``units`` pages first."""

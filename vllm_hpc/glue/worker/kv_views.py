@@ -18,7 +18,7 @@ def forward_position(name: str) -> int:
 
 
 def as_units(tensor: torch.Tensor, units: int) -> torch.Tensor:
-    """``tensor`` with ``units`` (pages or slots) as its first dimension: vLLM splits a page
+    """``tensor`` with ``units`` (pages or state rows) as its first dimension: vLLM splits a page
     into equal kernel blocks when the backend asks for smaller ones."""
     if tensor.shape[0] == units:
         return tensor

@@ -83,8 +83,8 @@ class StatePool:
         )
 
     @property
-    def num_slots(self) -> int:
-        """Rows: state indices 0..num_slots-1 are valid."""
+    def num_rows(self) -> int:
+        """State indices 0..num_rows-1 are valid."""
         assert self.layout is not None, "the state pool is not bound to the KV cache yet"
         return self.layout.num_rows
 
@@ -141,7 +141,7 @@ class StatePool:
             planes.index_fill_(-2, index, 0)
 
     def copy(self, copies: Iterable[StateCopy]) -> None:
-        """Apply slot-to-slot copies one after the other, in order (a later copy sees the
+        """Apply row-to-row copies one after the other, in order (a later copy sees the
         result of an earlier one). A plain copy moves the source row's bytes whole, one kernel
         over every span (`_rows`) instead of one per layer and state tensor (96 on
         Qwen3.5-27B): a burst's finishing steps copy 16 endpoints each, and the per-tensor

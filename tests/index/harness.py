@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Sequence
 
 from vllm_hpc.index import (
-    Admission,
+    AdmissionGrant,
     BlockNode,
     CacheCostModel,
     CommitOutcome,
@@ -176,7 +176,7 @@ class Harness:
         salt: str | None = None,
         media: Sequence[MediaItem] = (),
         complete: bool = True,
-    ) -> Admission:
+    ) -> AdmissionGrant:
         index = self.index
         prompt = index.prepare_prompt(tokens, media=media, cache_salt=salt)
         n = len(tokens)

@@ -5,7 +5,7 @@ nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` plans snapshot positions
 """
 
 from vllm_hpc.index.admission import (
-    Admission,
+    AdmissionGrant,
     AdmissionQuote,
     GrowthPages,
     MatchResult,
@@ -55,7 +55,7 @@ from vllm_hpc.index.types import (
 
 __all__ = [
     "BLOCK_TOKENS",
-    "Admission",
+    "AdmissionGrant",
     "AdmissionQuote",
     "BlockCopy",
     "BlockNode",

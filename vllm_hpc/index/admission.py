@@ -89,7 +89,9 @@ class AdmissionQuote:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Admission:
+class AdmissionGrant:
+    """What `PrefixIndex.acquire` grants a quote: the lease, the source and its restore."""
+
     lease: Lease
     source: Snapshot | None
     frontier: int

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_hpc.index.admission import (
-    Admission,
+    AdmissionGrant,
     AdmissionQuote,
     GrowthPages,
     MatchResult,
@@ -138,7 +138,7 @@ class PrefixIndex:
         """Nothing changed since ``quote``: its match and source still hold."""
         return quote.epoch == self.store.tick
 
-    def acquire(self, quote: AdmissionQuote) -> Admission:
+    def acquire(self, quote: AdmissionQuote) -> AdmissionGrant:
         """Ref the quoted source's path, pin its snapshot and reserve restore destinations."""
         store = self.store
         source = quote.source
@@ -153,7 +153,7 @@ class PrefixIndex:
         snapshot = source.snapshot
         if snapshot is None:
             self.stats.misses += 1
-            return Admission(lease, None, 0, None)
+            return AdmissionGrant(lease, None, 0, None)
         for node in quote.match.path[: snapshot.anchor.depth + 1]:
             store.ref(node, 1)
             lease.path.append(node)
@@ -189,7 +189,7 @@ class PrefixIndex:
             self.stats.hits_host += 1
         else:
             self.stats.hits_device += 1
-        return Admission(lease, snapshot, snapshot.frontier, restore)
+        return AdmissionGrant(lease, snapshot, snapshot.frontier, restore)
 
     def complete_restore(self, restore: Restore) -> None:
         """The restore's copies landed (and the lane copied the image and tail out)."""

@@ -227,10 +227,10 @@ class Admission:
         private: set[PageId] = set()
         lease = None
         if quote is not None:
-            admission = self.index.acquire(quote)
-            lease = admission.lease
+            grant = self.index.acquire(quote)
+            lease = grant.lease
             pages = [node.device_page for node in lease.path]  # type: ignore[misc]
-            restore = admission.restore
+            restore = grant.restore
             if restore is not None:
                 from_host = self._plan_restore(restore, row, pages, private)
         new = self.pipeline.allocate(pages_for(end) - len(pages))

@@ -7,7 +7,7 @@ Each point is documented where it fires; tests arm them in the processes they st
 - `host_alloc:N`: allocating (or pinning) host tier chunk N fails at start-up;
 - `host_write`, `host_restore`: every write-through batch, or every restore and prefetch, fails
   in the worker before its copies are issued;
-- `state_copy`: every copy between device state slots (a tap's or endpoint's capture, a resume
+- `state_copy`: every copy between device state rows (a tap's or endpoint's capture, a resume
   from a snapshot slot) fails in the worker;
 - `snapshot_corrupt`: every copy into a snapshot slot writes ones instead: silent corruption,
   for the cache audit to find (`--cache-audit-rate`);

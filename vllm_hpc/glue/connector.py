@@ -3,7 +3,7 @@
 vLLM's KV-connector interface is its supported per-step channel between the scheduler and the
 model runners (V1 on CPU, V2 on CUDA), in both directions. The hybrid prefix cache uses it for:
 
-- the state-slot copies of a step (captures into snapshot slots, restores into active slots),
+- the state-row copies of a step (captures into snapshot slots, restores into the requests' rows),
   which the workers run in order before the step's forward pass (`bind_connector_metadata` runs
   before the forward on both runners, also on steps without tokens), and the captures the GDN
   layers save during it (`vllm_hpc.glue.worker.in_pass`);

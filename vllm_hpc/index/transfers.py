@@ -59,7 +59,7 @@ class Restore:
     * ``blocks``: host-only path blocks, slab -> a new cache-owned page (Filling);
     * ``tail``: a host-only tail, slab -> a new cache-owned page (Filling);
     * the image: from device slot ``image_slot``, or else from host ``image_slabs``, into the
-      lane's own state slot;
+      lane's own state row;
     * ``tail_page``: the device tail page the lane copies into its private page (COW).
     """
 

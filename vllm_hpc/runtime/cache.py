@@ -189,7 +189,7 @@ class HybridPrefixCache:
         return values
 
     def audit(self) -> None:
-        """Check the index's invariants and that every private page, state slot, lease and
+        """Check the index's invariants and that every private page, state row, lease and
         transfer is accounted for by a running request, a pending capture, the quarantine or a
         copy in flight (tests)."""
         self.index.check_invariants()

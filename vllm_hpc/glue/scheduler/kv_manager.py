@@ -247,7 +247,7 @@ class HybridPrefixKVCacheManager:
         num_lookahead_tokens: int = 0,
         **_unused: Any,
     ) -> KVCacheBlocks | None:
-        """Pages (and, for a new request, the source and a state slot) for the next chunk;
+        """Pages (and, for a new request, the source and a state row) for the next chunk;
         None when there is no room now. Returns the newly allocated pages only."""
         rid = request.request_id
         lane = self.lanes.get(rid)
@@ -294,7 +294,7 @@ class HybridPrefixKVCacheManager:
             self.cache.on_scheduled(lane, request.all_token_ids, start, end)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's pages and state slot; none for a request never admitted (vLLM asks
+        """The request's pages and state row; none for a request never admitted (vLLM asks
         for them when it aborts a waiting request, too)."""
         lane = self.lanes.get(request_id)
         if lane is None:

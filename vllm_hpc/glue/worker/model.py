@@ -55,7 +55,7 @@ _qwen3_5: Any = importlib.import_module(qwen3_5_module())
 class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN metadata builder, whose state indices are always rows of the `StatePool`.
 
-    In a scheduled step the GDN groups' block table holds each request's state slot (handed
+    In a scheduled step the GDN groups' block table holds each request's state row (handed
     out by `HybridPrefixKVCacheManager`). vLLM's warm-up steps and dummy runs bypass the
     scheduler and disable the KV connector (`kv_connector.set_disabled(True)`): V2's
     `_warmup_kernels` numbers blocks 1, 2, ... across every KV cache group of up to
@@ -72,7 +72,7 @@ class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if not has_kv_transfer_group():  # a warm-up or dummy step: no state slots in it
+        if not has_kv_transfer_group():  # a warm-up or dummy step: no state rows in it
             table = torch.zeros_like(common_attn_metadata.block_table_tensor)
             common_attn_metadata = common_attn_metadata.replace(block_table_tensor=table)
         metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)

@@ -61,25 +61,26 @@ class Admission:
         keeps and waits for nothing."""
         if not self.config.prefix_reuse:
             return 0
-        prompt = self.index.prepare_prompt(
+        frontiers = self.index.match(self._prompt(request), request.read_limit).frontiers
+        return frontiers[-1] if frontiers else 0
+
+    def _prompt(self, request: RequestInfo) -> PreparedPrompt:
+        """The request's prepared prompt: the one its last lookup kept while its tokens are
+        the same, else hashed anew. Hashing is the costly part of a lookup, and a waiting
+        request is looked up again every step until it is admitted."""
+        prompt = self._prepared.get(request.request_id)
+        if prompt is not None and prompt.num_tokens == len(request.token_ids):
+            return prompt
+        return self.index.prepare_prompt(
             request.token_ids, media=request.media, cache_salt=request.cache_salt
         )
-        frontiers = self.index.match(prompt, request.read_limit).frontiers
-        return frontiers[-1] if frontiers else 0
 
     def lookup(self, request: RequestInfo) -> Lookup:
         """Match the prompt, choose the source and plan the taps (§6.1-6.3, §7.1). Read-only."""
         n = len(request.token_ids)
         if not self.config.prefix_reuse:
             return Lookup(None, 0, [])
-        prompt = self._prepared.get(request.request_id)
-        if prompt is None or prompt.num_tokens != n:
-            # Hashing is the costly part of a lookup, and a waiting request is looked up again
-            # every step until it is admitted: keep its prepared prompt until then.
-            prompt = self.index.prepare_prompt(
-                request.token_ids, media=request.media, cache_salt=request.cache_salt
-            )
-            self._prepared[request.request_id] = prompt
+        prompt = self._prepared[request.request_id] = self._prompt(request)
         match = self.index.match(prompt, request.read_limit)
         quote = self.index.quote(match, self._growth(n, with_row=True))
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:

@@ -46,7 +46,7 @@ from vllm_hpc.glue.worker.in_pass import (
 )
 from vllm_hpc.glue.worker.kernel_tuning import tune_prefill_kernels
 from vllm_hpc.glue.worker.state_pool import StatePool
-from vllm_hpc.index import BLOCK_TOKENS
+from vllm_hpc.index import BLOCK_TOKENS, pages_for
 
 logger = logging.getLogger("vllm.vllm_hpc")
 _qwen3_5: Any = importlib.import_module(qwen3_5_module())
@@ -184,9 +184,9 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
 
     @property
     def _checkpoint_buffer_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
-        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        # At most one state per 64 tokens of a step (offsets are multiples of 64).
+        rows = pages_for(self.vllm_config.scheduler_config.max_num_batched_tokens)
         heads = self.num_v_heads // self.tp_size
-        rows = -(-tokens // BLOCK_TOKENS)
         return (rows, heads, self.head_v_dim, self.head_k_dim), torch.float32
 
     def _forward_flashinfer_prefill(self, *args: Any, **kwargs: Any) -> Any:

@@ -96,6 +96,7 @@ from bench_common import (
 )
 from gpu_speed import device_name, engine_facts, release_device
 
+from vllm_hpc.glue.worker.call_clock import SLOW_CALL_SECONDS
 from vllm_hpc.options import OPTION_SPECS
 
 T0 = time.monotonic()
@@ -575,6 +576,10 @@ def bench_engine(
         else:
             results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
     measured = {"workloads": results, "bench_s": time.monotonic() - t}
+    if e["config"] == HYBRID:  # calls that held the engine thread (each one is logged too)
+        from vllm_hpc.glue.worker.connector import slow_host_calls
+
+        measured["slow_host_calls"] = max(llm.collective_rpc(slow_host_calls))
     if args.profile_steps and e["max_num_seqs"] == parse_burst(args.burst[0])[1]:
         measured["profile"] = step_profile(llm, args, vocab, e, out)
     return measured
@@ -1045,6 +1050,12 @@ def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
         if "load_avg_end" in e:
             load = f"{e['load_avg_start']:.2f} / {e['load_avg_end']:.2f}"
             lines.append(f"  - load average (1 min) before / after the workloads: {load}")
+        slow = e.get("result", {}).get("slow_host_calls")
+        if slow is not None:
+            lines.append(
+                f"  - host-tier calls that held the engine thread {SLOW_CALL_SECONDS * 1000:.0f} "
+                f"ms or more (the engine log names each): {slow}"
+            )
         if e.get("facts"):
             lines.append(f"  - settings: `{json.dumps(e['facts'])}`")
     return lines

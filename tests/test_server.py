@@ -71,6 +71,8 @@ def test_plugin_metrics_are_exported(server: str) -> None:
     assert sample(text, "vllm:hpc_host_bytes_total{", 'what="written"') > 0
     assert sample(text, "vllm:hpc_host_transfer_seconds_total{", 'what="written"') > 0
     assert sample(text, "vllm:hpc_host_write_bytes_per_second{") > 0
+    # The engine thread's own time in the host tier's calls (issuing, checking) is reported.
+    assert sample(text, "vllm:hpc_engine_thread_host_seconds_total{") > 0
 
 
 def test_every_series_the_dashboard_reads_is_exported_with_its_labels(server: str) -> None:

@@ -197,14 +197,22 @@ FILE = (
 """`FileCounters` fields."""
 COUNTERS = ADMISSION + INDEX + HOST + AUDIT + FILE
 """The cache's monotonic counters."""
-WORKER_COUNTERS = _by(
-    "what",
-    "vllm:hpc_host_transfer_seconds",
-    "Seconds the host tier's copies took (copy stream time, measured by the workers)",
-    written="host_write_seconds",
-    restored="host_restore_seconds",
+WORKER_COUNTERS = (
+    *_by(
+        "what",
+        "vllm:hpc_host_transfer_seconds",
+        "Seconds the host tier's copies took (copy stream time, measured by the workers)",
+        written="host_write_seconds",
+        restored="host_restore_seconds",
+    ),
+    Metric(
+        "engine_thread_host_seconds",
+        "vllm:hpc_engine_thread_host_seconds",
+        "Wall seconds the engine thread spent issuing and checking the host tier's copies",
+    ),
 )
-"""Counters the workers measure (`glue.worker.transfer_meter.TransferMeter`), beside the cache's."""
+"""Counters the workers measure (`glue.worker.transfer_meter.TransferMeter` and
+`glue.worker.call_clock.HostCallClock`), beside the cache's."""
 
 
 def _level(name: str, doc: str) -> Metric:
@@ -230,6 +238,10 @@ WORKER_LEVELS = (
         "host_restore_bytes_per_second",
         "Bandwidth of the restores and prefetches that landed last",
     ),
+    _level(
+        "engine_thread_host_longest_seconds",
+        "Longest single host-tier call on the engine thread in the last reported period",
+    ),
 )
 """Levels the workers measure: the bandwidth of the copies that landed in the last step that
-landed any."""
+landed any, and the longest engine-thread call of the last period that timed one."""

@@ -19,6 +19,7 @@ from vllm_hpc.faults import SLOW_COPY_STEPS, armed
 from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.stop_signals import defer_first_stop_signal
+from vllm_hpc.glue.worker.call_clock import HostCallClock
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
@@ -87,7 +88,9 @@ class ConnectorWorker:
         self._kv_storage: frozenset[int] | None = None
         """The KV cache buffers registered (`register_kv_caches`), by address."""
         self.meter = TransferMeter()
-        """The host tier's copies, timed."""
+        """The host tier's copies, timed on their streams."""
+        self.clock = HostCallClock()
+        """The host tier's calls on the engine thread, timed on the wall clock."""
         self._pool: Any = None
         self._arena: HostArena | None = None
         self._due: _WritesDue | None = None
@@ -113,7 +116,10 @@ class ConnectorWorker:
         return preload
 
     def stats(self) -> HybridPrefixStats | None:
-        return self.meter.read()
+        with self.clock.timed("transfer check"):
+            landed = self.meter.read()
+        data = {**(landed.data if landed else {}), **self.clock.read()}
+        return HybridPrefixStats(data) if data else None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Lay the state pool over the KV cache buffer, then bind the host tier to both.
@@ -163,8 +169,9 @@ class ConnectorWorker:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)
         self._steps += 1
         # Later kernels must not overtake the previous step's restores, wherever they read.
-        for handle in [*self._restores, *self._prefetches]:
-            handle.wait_all()
+        with self.clock.timed("restore wait"):
+            for handle in [*self._restores, *self._prefetches]:
+                handle.wait_all()
         self._restores.clear()
         self._prefetches.clear()
         pool = self._state_pool()
@@ -184,11 +191,17 @@ class ConnectorWorker:
             return
         if connector_metadata.host_writes:
             self._due = _WritesDue(list(connector_metadata.host_writes), arena.mark())
+        restores, prefetches = connector_metadata.host_restores, connector_metadata.prefetches
         try:
-            for restore in connector_metadata.host_restores:
-                self._restores.append(arena.restore(restore.blocks, restore.tail, restore.image))
-            for prefetch in connector_metadata.prefetches:
-                self._prefetches.append(arena.restore(prefetch.blocks))
+            with self.clock.timed(
+                "restore issue", f"{len(restores)} restores, {len(prefetches)} prefetches"
+            ):
+                for restore in restores:
+                    self._restores.append(
+                        arena.restore(restore.blocks, restore.tail, restore.image)
+                    )
+                for prefetch in prefetches:
+                    self._prefetches.append(arena.restore(prefetch.blocks))
         except Exception as error:
             raise self._fail(_HOST_COPY, error) from error
         self.issued["host_restore"] += len(connector_metadata.host_restores)
@@ -208,12 +221,15 @@ class ConnectorWorker:
         due, self._due = self._due, None
         if due is None or self._arena is None:
             return
+        blocks = sum(len(write.blocks) for write in due.writes)
+        images = sum(len(write.images) for write in due.writes)
         try:
-            for write in due.writes:
-                written = self._arena.write(write.blocks, write.images, after=due.ready)
-                self._writing.append(_WriteInFlight(write.batch, written, self._steps))
-                self.issued["host_write"] += 1
-                self.meter.track("write", written)
+            with self.clock.timed("write issue", f"{blocks} blocks, {images} images"):
+                for write in due.writes:
+                    written = self._arena.write(write.blocks, write.images, after=due.ready)
+                    self._writing.append(_WriteInFlight(write.batch, written, self._steps))
+                    self.issued["host_write"] += 1
+                    self.meter.track("write", written)
         except Exception as error:
             raise self._fail(_HOST_COPY, error) from error
 
@@ -238,7 +254,8 @@ class ConnectorWorker:
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""
         held = SLOW_COPY_STEPS if armed("host_slow") else 0
-        landed = [w for w in self._writing if w.handle.done() and self._steps - w.step >= held]
+        with self.clock.timed("write check"):
+            landed = [w for w in self._writing if w.handle.done() and self._steps - w.step >= held]
         if not landed:
             return None
         self._writing = [w for w in self._writing if w not in landed]
@@ -281,3 +298,9 @@ def worker_connector() -> ConnectorWorker:
 def issued_copies(worker: Any) -> dict[str, int]:
     """This worker's `ConnectorWorker.issued` (run through the engine's `collective_rpc`)."""
     return dict(worker_connector().issued)
+
+
+def slow_host_calls(worker: Any) -> int:
+    """This worker's host-tier calls that held the engine thread for `SLOW_CALL_SECONDS` or
+    more (`HostCallClock.slow_calls`, through `collective_rpc`)."""
+    return worker_connector().clock.slow_calls

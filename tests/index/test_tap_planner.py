@@ -1,4 +1,5 @@
-"""TapPlanner (§7.1, §13.1 'TapPlanner')."""
+"""TapPlanner (§7.1, §13.1 'TapPlanner'): the spec's rules, and a request's taps as the runtime
+plans them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from vllm_hpc.index import (
     MediaItem,
     PlannedTap,
+    PrefillRequest,
     SnapshotKind,
     TapHint,
     TapPlanner,
@@ -160,6 +162,40 @@ def test_for_engine_resolves_the_spec_defaults() -> None:
     )
     assert TapPolicy.for_engine(512, host_tier=False).max_new_taps == 2
     assert TapPolicy.for_engine(512, host_tier=False).ladder_tokens == 4096
+
+
+# -- a request's taps as the runtime plans them (beyond the spec) -------------------------
+
+
+def test_breakpoints_become_explicit_taps_except_at_one_and_the_tail_is_aligned() -> None:
+    request = PrefillRequest(num_tokens=1000, base=0, breakpoints=[1, 300])
+    # The tail 999 becomes an exact tap at floor64(999) = 960.
+    assert positions(TapPlanner(DEFAULT).plan_request(request)) == [
+        (300, TapSource.EXPLICIT, SnapshotKind.BOUNDARY),
+        (960, TapSource.AUTOMATIC, SnapshotKind.TAP),
+    ]
+
+
+def test_the_junction_is_a_structural_boundary_past_the_base() -> None:
+    request = PrefillRequest(num_tokens=1000, base=128, matched_tokens=640, existing=[128])
+    assert positions(TapPlanner(DEFAULT).plan_request(request)) == [
+        (640, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY),
+        (960, TapSource.AUTOMATIC, SnapshotKind.TAP),
+    ]
+    at_base = PrefillRequest(num_tokens=1000, base=128, matched_tokens=128, existing=[128])
+    assert positions(TapPlanner(DEFAULT).plan_request(at_base)) == [
+        (960, TapSource.AUTOMATIC, SnapshotKind.TAP)
+    ]
+
+
+def test_the_aligned_tail_is_dropped_near_a_snapshot_and_flexible_after_an_endpoint() -> None:
+    # The spec keeps the tail 999 (99 after 900); at 960 it lies within a block of 900.
+    request = PrefillRequest(num_tokens=1000, base=0, existing=[900])
+    assert TapPlanner(DEFAULT).plan_request(request) == []
+    request = PrefillRequest(num_tokens=1000, base=100, resumed_from_endpoint=True)
+    assert positions(TapPlanner(DEFAULT).plan_request(request)) == [
+        (999, TapSource.TAIL, SnapshotKind.TAP)
+    ]
 
 
 # -- properties over random prompts -------------------------------------------------------

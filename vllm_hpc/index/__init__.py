@@ -1,7 +1,7 @@
 """Model-agnostic core of the hybrid prefix cache: identities, residency and accounting.
 
 Pure Python (stdlib and ``xxhash``): it never touches tensor memory and imports neither torch
-nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` plans snapshot positions.
+nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` makes every tap decision.
 """
 
 from vllm_hpc.index.admission import (
@@ -32,6 +32,7 @@ from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.tap_planner import (
     PlannedTap,
+    PrefillRequest,
     TapHint,
     TapPlanner,
     TapPolicy,
@@ -79,6 +80,7 @@ __all__ = [
     "PageId",
     "PlannedTap",
     "Prefetch",
+    "PrefillRequest",
     "PrefixIndex",
     "PreparedPrompt",
     "Publication",

@@ -1,4 +1,4 @@
-"""Where a prefill captures snapshots ("taps", §7.1).
+"""Where a prefill captures snapshots ("taps", §7.1): every tap decision is made here.
 
 Candidates in priority order::
 
@@ -10,21 +10,25 @@ Candidates in priority order::
     5 ladder n - G·2^k          flexible  Tap        edits deep in the history
     6 every chunk boundary      flexible  Tap        only with ``dense_flexible``
 
+`TapPlanner.plan` applies the spec's rules to hints; `TapPlanner.plan_request` is what the
+runtime calls for a request: its breakpoints, template hints and junction made hints, planned,
+and the tail aligned to what the capture path can take.
+
 An exact tap is captured at its position, a flexible one where it costs no extra forward pass:
 the runtime realizes them (`vllm_hpc.runtime.capture`: at a chunk's end, or inside the pass where
 the workers can). A position need not be a multiple of 64: a tap inside a block publishes with
-a tail. The plan is a pure function of its inputs.
+a tail. Every plan is a pure function of its inputs.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from vllm_hpc.index.prompt import MediaItem, resume_floor
-from vllm_hpc.index.types import SnapshotKind
+from vllm_hpc.index.types import BLOCK_TOKENS, SnapshotKind
 
 
 class TapSource(Enum):
@@ -127,6 +131,8 @@ class TapPolicy:
 
 @dataclass(frozen=True, slots=True)
 class TapRequest:
+    """What the spec's rules plan from (`TapPlanner.plan`): the semantic positions as hints."""
+
     num_tokens: int
     base: int
     """F_s: the frontier the request resumes from; taps lie in (base, n - 1]."""
@@ -138,14 +144,64 @@ class TapRequest:
     resumed_from_endpoint: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A request's prefill as its lookup sees it: what `TapPlanner.plan_request` plans from."""
+
+    num_tokens: int
+    """The prompt's tokens."""
+    base: int
+    """F_s: the frontier the request resumes from."""
+    matched_tokens: int = 0
+    """Where the prompt leaves the cached path (``MatchResult.matched_tokens``): the junction."""
+    existing: Sequence[int] = ()
+    """Frontiers of snapshots already on the prompt's path (``MatchResult.frontiers``)."""
+    breakpoints: Sequence[int] = ()
+    """The client's ``cache_breakpoints``."""
+    template_hints: Sequence[TapHint] = ()
+    """The chat template's opener and structural end (`ChatMarkers.hints`)."""
+    media: Sequence[MediaItem] = ()
+    resumed_from_endpoint: bool = False
+
+
 class TapPlanner:
+    """Every tap decision of a prefill, under one `TapPolicy`."""
+
     def __init__(self, policy: TapPolicy) -> None:
         if policy.proximity_tokens < 0 or policy.ladder_tokens <= 0 or policy.chunk_tokens <= 0:
             raise ValueError(f"invalid tap policy {policy}")
         self.policy = policy
 
+    def plan_request(self, request: PrefillRequest) -> list[PlannedTap]:
+        """The taps of a request's prefill, sorted by position: its breakpoints, template hints
+        and junction planned by the spec's rules (`plan`), then the tail tap aligned to what the
+        capture path can take (`_aligned_tail`)."""
+        # A breakpoint at 1 would save one token and end a one-token first chunk, which vLLM's
+        # CPU GDN kernel cannot prefill (it stops the engine): it is ignored.
+        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints if p > 1]
+        hints.extend(request.template_hints)
+        # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
+        # lets the next request sharing this prefix resume there.
+        junction = request.matched_tokens
+        if request.base < junction <= request.num_tokens - 1:
+            hints.append(TapHint(junction, TapSource.STRUCTURAL))
+        taps = self.plan(
+            TapRequest(
+                num_tokens=request.num_tokens,
+                base=request.base,
+                hints=hints,
+                existing=request.existing,
+                media=request.media,
+                resumed_from_endpoint=request.resumed_from_endpoint,
+            )
+        )
+        if request.resumed_from_endpoint:
+            return taps
+        return _aligned_tail(taps, request.base, request.existing)
+
     def plan(self, request: TapRequest) -> list[PlannedTap]:
-        """Taps to capture, sorted by position, at most ``max_new_taps`` of them."""
+        """The spec's taps for ``request``'s hints, sorted by position, at most
+        ``max_new_taps`` of them."""
         if any(not hint.source.exact for hint in request.hints):
             raise ValueError("hints name semantic positions: explicit, opener or structural")
         accepted: list[PlannedTap] = []
@@ -160,13 +216,11 @@ class TapPlanner:
     def _admits(self, candidate: PlannedTap, others: list[int]) -> bool:
         """Dedup, the 64-token proximity rule, and the ladder's min gap on both sides."""
         p = candidate.position
-        if p in others:
-            return False
         if candidate.source is TapSource.LADDER:
-            return all(abs(p - q) >= self.policy.min_gap_tokens for q in others)
+            return p not in others and all(abs(p - q) >= self.policy.min_gap_tokens for q in others)
         if candidate.source is TapSource.EXPLICIT:
-            return True
-        return not any(0 < p - q <= self.policy.proximity_tokens for q in others)
+            return p not in others
+        return not _shadowed(p, others, self.policy.proximity_tokens)
 
     def _candidates(self, request: TapRequest) -> list[PlannedTap]:
         """Every candidate, placed inside (base, n - 1], in selection order."""
@@ -237,3 +291,34 @@ class TapPlanner:
             if boundary > base and rung - boundary <= self.policy.min_gap_tokens:
                 return boundary
         return rung
+
+
+def _aligned_tail(taps: list[PlannedTap], base: int, existing: Sequence[int]) -> list[PlannedTap]:
+    """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
+
+    A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt whose
+    new tokens fit one chunk (most chat turns) would keep no state near its end, and a retry, or
+    a next turn that re-renders the reply, would recompute all of it. One split at
+    floor64(n - 1) (one more pass of at most 64 tokens) keeps reuse >= floor64(n - 1), as the
+    spec's generation-opener tap does for templated chat. A request resumed from an endpoint
+    keeps the flexible tap (`TapPlanner.plan_request`): its client echoes replies, so its own
+    endpoint serves the next turn (§7.1).
+    """
+    result = []
+    for tap in taps:
+        if tap.source is TapSource.TAIL:
+            position = tap.position - tap.position % BLOCK_TOKENS
+            # The proximity rule at the new position, a block wide: a snapshot at most one
+            # block before it already serves the prompts it would.
+            others = [base, *existing, *(t.position for t in taps if t is not tap)]
+            if _shadowed(position, others, BLOCK_TOKENS):
+                continue
+            tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
+        result.append(tap)
+    return sorted(result, key=lambda t: t.position)
+
+
+def _shadowed(position: int, others: Iterable[int], tokens: int) -> bool:
+    """Whether another tap or snapshot lies at ``position`` or at most ``tokens`` before it,
+    and so already serves the prompts a tap there would."""
+    return any(0 <= position - other <= tokens for other in others)

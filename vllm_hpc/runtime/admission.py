@@ -14,19 +14,17 @@ from vllm_hpc.index import (
     AdmissionQuote,
     GrowthPages,
     PageId,
+    PrefillRequest,
     PrefixIndex,
     PreparedPrompt,
     Readiness,
     Restore,
     RowId,
     SnapshotKind,
-    TapHint,
     TapPlanner,
-    TapRequest,
-    TapSource,
     pages_for,
 )
-from vllm_hpc.runtime.capture import aligned_tail, plan_exact_tap
+from vllm_hpc.runtime.capture import plan_exact_tap
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import HostRestore, ImageCopy, PageCopy, PageSlab, StateCopy
@@ -90,28 +88,20 @@ class Admission:
                 f"pool has {self.index.store.usable_pages} beside its scratch row"
             )
         frontier = quote.source.frontier if quote.source is not None else 0
-        # A breakpoint at 1 would save one token and end a one-token first chunk, which vLLM's
-        # CPU GDN kernel cannot prefill (it stops the engine): it is ignored.
-        hints = [TapHint(p, TapSource.EXPLICIT) for p in request.breakpoints if p > 1]
-        hints.extend(request.template_hints)
-        # Beyond the spec: where the prompt leaves the cached path (floored to 64), a Boundary tap
-        # lets the next request sharing this prefix resume there.
-        junction = match.matched_tokens
-        if frontier < junction <= request.num_prompt_tokens - 1:
-            hints.append(TapHint(junction, TapSource.STRUCTURAL))
         snapshot = quote.source.snapshot if quote.source is not None else None
         from_endpoint = snapshot is not None and snapshot.kind is SnapshotKind.ENDPOINT
-        taps = self.planner.plan(
-            TapRequest(
+        taps = self.planner.plan_request(
+            PrefillRequest(
                 num_tokens=request.num_prompt_tokens,
                 base=frontier,
-                hints=hints,
+                matched_tokens=match.matched_tokens,
                 existing=match.frontiers,
+                breakpoints=request.breakpoints,
+                template_hints=request.template_hints,
                 media=prompt.media,
                 resumed_from_endpoint=from_endpoint,
             )
         )
-        taps = aligned_tail(taps, frontier, match.frontiers, from_endpoint)
         # A media prompt never waits on a sibling (§12.2): its blocks are keyed by the items too.
         coalesce = request.read_limit is None and not prompt.media
         sibling = self._sibling(prompt, request, frontier) if coalesce else None

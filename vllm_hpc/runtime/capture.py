@@ -263,35 +263,6 @@ class Captures:
             lane.lease = None
 
 
-def aligned_tail(
-    taps: list[PlannedTap], base: int, existing: Sequence[int], resumed_from_endpoint: bool
-) -> list[PlannedTap]:
-    """Beyond the spec: the prompt-tail tap becomes an exact tap at the last block boundary.
-
-    A flexible tail tap is realized at the start of the prompt's final chunk, so a prompt whose
-    new tokens fit one chunk (most chat turns) would keep no state near its end, and a retry, or
-    a next turn that re-renders the reply, would recompute all of it. One split at
-    floor64(n - 1) (one more pass of at most 64 tokens) keeps reuse >= floor64(n - 1), as the
-    spec's generation-opener tap does for templated chat. A request resumed from an endpoint
-    keeps the flexible tap: its client echoes replies, so its own endpoint serves the next turn
-    (§7.1).
-    """
-    if resumed_from_endpoint:
-        return taps
-    result = []
-    for tap in taps:
-        if tap.source is TapSource.TAIL:
-            position = tap.position - tap.position % BLOCK_TOKENS
-            # The planner's proximity rule, again at the new position: a snapshot at most one
-            # block before it already serves the prompts it would.
-            others = [base, *existing, *(t.position for t in taps if t is not tap)]
-            if any(0 <= position - other <= BLOCK_TOKENS for other in others):
-                continue
-            tap = PlannedTap(position, TapSource.AUTOMATIC, SnapshotKind.TAP)
-        result.append(tap)
-    return sorted(result, key=lambda t: t.position)
-
-
 def _kind(taps: Sequence[PlannedTap]) -> SnapshotKind:
     """One snapshot for several taps: Boundary if any of them is."""
     boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)

@@ -19,6 +19,7 @@ from vllm_hpc.index import (
     TapPolicy,
     TapRequest,
     TapSource,
+    plan_exact_tap,
     resume_floor,
 )
 
@@ -196,6 +197,20 @@ def test_the_aligned_tail_is_dropped_near_a_snapshot_and_flexible_after_an_endpo
     assert positions(TapPlanner(DEFAULT).plan_request(request)) == [
         (999, TapSource.TAIL, SnapshotKind.TAP)
     ]
+
+
+def test_a_coalescing_target_is_an_exact_boundary_tap() -> None:
+    taps = [
+        PlannedTap(512, TapSource.LADDER, SnapshotKind.TAP),
+        PlannedTap(960, TapSource.AUTOMATIC, SnapshotKind.TAP),
+    ]
+    # A flexible tap at the target is replaced; an exact one is kept as it is.
+    assert positions(plan_exact_tap(taps, 512)) == [
+        (512, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY),
+        (960, TapSource.AUTOMATIC, SnapshotKind.TAP),
+    ]
+    assert plan_exact_tap(taps, 960) == taps
+    assert [t.position for t in plan_exact_tap(taps, 256)] == [256, 512, 960]
 
 
 # -- properties over random prompts -------------------------------------------------------

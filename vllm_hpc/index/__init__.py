@@ -38,6 +38,7 @@ from vllm_hpc.index.tap_planner import (
     TapPolicy,
     TapRequest,
     TapSource,
+    plan_exact_tap,
 )
 from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Prefetch, Restore, SnapshotWrite
 from vllm_hpc.index.types import (
@@ -108,6 +109,7 @@ __all__ = [
     "TapSource",
     "file_placement",
     "pages_for",
+    "plan_exact_tap",
     "plan_host_restore",
     "prepare_prompt",
     "resume_floor",

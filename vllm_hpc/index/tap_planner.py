@@ -12,7 +12,8 @@ Candidates in priority order::
 
 `TapPlanner.plan` applies the spec's rules to hints; `TapPlanner.plan_request` is what the
 runtime calls for a request: its breakpoints, template hints and junction made hints, planned,
-and the tail aligned to what the capture path can take.
+and the tail aligned to what the capture path can take. `plan_exact_tap` adds a coalescing
+target to a running request's taps (§12.2).
 
 An exact tap is captured at its position, a flexible one where it costs no extra forward pass:
 the runtime realizes them (`vllm_hpc.runtime.capture`: at a chunk's end, or inside the pass where
@@ -291,6 +292,15 @@ class TapPlanner:
             if boundary > base and rung - boundary <= self.policy.min_gap_tokens:
                 return boundary
         return rung
+
+
+def plan_exact_tap(taps: Sequence[PlannedTap], position: int) -> list[PlannedTap]:
+    """``taps`` with an exact Boundary tap at ``position``: a coalescing target (§12.2), where
+    waiting requests resume, so a flexible tap, which may be captured elsewhere, will not do."""
+    if any(t.position == position and t.exact for t in taps):
+        return list(taps)
+    tap = PlannedTap(position, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY)
+    return sorted([*(t for t in taps if t.position != position), tap], key=lambda t: t.position)
 
 
 def _aligned_tail(taps: list[PlannedTap], base: int, existing: Sequence[int]) -> list[PlannedTap]:

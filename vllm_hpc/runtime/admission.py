@@ -23,8 +23,8 @@ from vllm_hpc.index import (
     SnapshotKind,
     TapPlanner,
     pages_for,
+    plan_exact_tap,
 )
-from vllm_hpc.runtime.capture import plan_exact_tap
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import HostRestore, ImageCopy, PageCopy, PageSlab, StateCopy
@@ -132,7 +132,7 @@ class Admission:
             if target > deepest:
                 best, deepest = lane, target
         if best is not None and best.scheduled_end < deepest:
-            plan_exact_tap(best, deepest)
+            best.taps = plan_exact_tap(best.taps, deepest)
         return best
 
     def _growth(self, n: int, with_row: bool) -> GrowthPages:

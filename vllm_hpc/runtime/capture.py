@@ -1,6 +1,7 @@
 """Taps and endpoints of running requests: where a prefill chunk must end, the copies that
 capture a lane's state at its taps, publication once the blocks below a capture are committed,
-and the endpoint a finished request leaves (§7).
+and the endpoint a finished request leaves (§7). Which taps a request has is decided in
+`vllm_hpc.index.tap_planner`; this module realizes them.
 
 A tap at the end of a chunk copies the state after that chunk, so its copy goes into the *next*
 plan; a tap at the start of the prompt's final chunk copies it into the current one. Where the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind, TapSource
+from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
@@ -267,18 +268,6 @@ def _kind(taps: Sequence[PlannedTap]) -> SnapshotKind:
     """One snapshot for several taps: Boundary if any of them is."""
     boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)
     return SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
-
-
-def plan_exact_tap(lane: Lane, position: int) -> None:
-    """Make sure ``lane`` captures its state exactly at ``position`` (a coalescing target)."""
-    if any(t.position == position and t.exact for t in lane.taps):
-        return
-    tap = PlannedTap(position, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY)
-    lane.taps = sorted([*(t for t in lane.taps if t.position != position), tap], key=_position)
-
-
-def _position(tap: PlannedTap) -> int:
-    return tap.position
 
 
 def _tail(token_ids: Sequence[int], frontier: int) -> list[int]:

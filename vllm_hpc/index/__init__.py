@@ -39,6 +39,7 @@ from vllm_hpc.index.tap_planner import (
     TapRequest,
     TapSource,
     plan_exact_tap,
+    snapshot_kind,
 )
 from vllm_hpc.index.transfers import BlockCopy, BlockWrite, Prefetch, Restore, SnapshotWrite
 from vllm_hpc.index.types import (
@@ -113,5 +114,6 @@ __all__ = [
     "plan_host_restore",
     "prepare_prompt",
     "resume_floor",
+    "snapshot_kind",
     "xxh3_block_hash",
 ]

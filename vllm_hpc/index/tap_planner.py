@@ -13,7 +13,8 @@ Candidates in priority order::
 `TapPlanner.plan` applies the spec's rules to hints; `TapPlanner.plan_request` is what the
 runtime calls for a request: its breakpoints, template hints and junction made hints, planned,
 and the tail aligned to what the capture path can take. `plan_exact_tap` adds a coalescing
-target to a running request's taps (§12.2).
+target to a running request's taps (§12.2); `snapshot_kind` is the kind of one snapshot that
+serves several taps (a cluster, or the taps one capture takes).
 
 An exact tap is captured at its position, a flexible one where it costs no extra forward pass:
 the runtime realizes them (`vllm_hpc.runtime.capture`: at a chunk's end, or inside the pass where
@@ -279,9 +280,7 @@ class TapPlanner:
         merged = []
         for members in clusters:
             best = min(members, key=lambda t: (t.source.priority, t.position))
-            boundary = any(t.kind is SnapshotKind.BOUNDARY for t in members)
-            kind = SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
-            merged.append(PlannedTap(members[0].position, best.source, kind))
+            merged.append(PlannedTap(members[0].position, best.source, snapshot_kind(members)))
         return merged
 
     def _snap(self, rung: int, boundaries: list[int], base: int) -> int:
@@ -301,6 +300,12 @@ def plan_exact_tap(taps: Sequence[PlannedTap], position: int) -> list[PlannedTap
         return list(taps)
     tap = PlannedTap(position, TapSource.STRUCTURAL, SnapshotKind.BOUNDARY)
     return sorted([*(t for t in taps if t.position != position), tap], key=lambda t: t.position)
+
+
+def snapshot_kind(taps: Iterable[PlannedTap]) -> SnapshotKind:
+    """The kind of one snapshot that serves several taps: Boundary if any of them is."""
+    boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)
+    return SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
 
 
 def _aligned_tail(taps: list[PlannedTap], base: int, existing: Sequence[int]) -> list[PlannedTap]:

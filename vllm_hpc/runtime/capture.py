@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind
+from vllm_hpc.index import BLOCK_TOKENS, PlannedTap, PrefixIndex, SnapshotKind, snapshot_kind
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import InPassCapture, PageCopy, StateCopy
@@ -100,10 +100,12 @@ class Captures:
             else:
                 rest.append(tap)
         for position, taps in sorted(in_pass.items()):
-            self._capture(lane, token_ids, position, _kind(taps), in_pass_offset=position - start)
+            self._capture(
+                lane, token_ids, position, snapshot_kind(taps), in_pass_offset=position - start
+            )
         if not rest:
             return
-        kind = _kind(rest)
+        kind = snapshot_kind(rest)
         if end < lane.num_prompt_tokens:
             self._capture(lane, token_ids, end, kind, after_step=True)
         elif start > lane.newest_frontier:  # flexible taps in the final chunk: at its start (§7.1)
@@ -262,12 +264,6 @@ class Captures:
             if write is not None:
                 self.pipeline.write_through(write)
             lane.lease = None
-
-
-def _kind(taps: Sequence[PlannedTap]) -> SnapshotKind:
-    """One snapshot for several taps: Boundary if any of them is."""
-    boundary = any(t.kind is SnapshotKind.BOUNDARY for t in taps)
-    return SnapshotKind.BOUNDARY if boundary else SnapshotKind.TAP
 
 
 def _tail(token_ids: Sequence[int], frontier: int) -> list[int]:

@@ -4,14 +4,6 @@ Pure Python (stdlib and ``xxhash``): it never touches tensor memory and imports 
 nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` makes every tap decision.
 """
 
-from vllm_hpc.index.admission import (
-    AdmissionGrant,
-    AdmissionQuote,
-    GrowthPages,
-    MatchResult,
-    Readiness,
-    SourceOption,
-)
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.cache_load import LoadedCache, RestorePlan, file_placement, plan_host_restore
 from vllm_hpc.index.config import IndexConfig
@@ -29,6 +21,14 @@ from vllm_hpc.index.prompt import (
 )
 from vllm_hpc.index.saved_cache import SavedBlock, SavedCache, SavedRoot, SavedSnapshot
 from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.source_choice import (
+    AdmissionGrant,
+    AdmissionQuote,
+    GrowthPages,
+    MatchResult,
+    Readiness,
+    SourceOption,
+)
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.tap_planner import (
     PlannedTap,

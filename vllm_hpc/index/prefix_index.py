@@ -20,15 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_hpc.index.admission import (
-    AdmissionGrant,
-    AdmissionQuote,
-    GrowthPages,
-    MatchResult,
-    classify,
-    lookup,
-    source_options,
-)
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.cache_load import LoadedCache, load_saved
 from vllm_hpc.index.config import IndexConfig
@@ -41,6 +32,15 @@ from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
 from vllm_hpc.index.saved_cache import SavedCache, SavePlan, export_saved, plan_save
 from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.source_choice import (
+    AdmissionGrant,
+    AdmissionQuote,
+    GrowthPages,
+    MatchResult,
+    classify,
+    lookup,
+    source_options,
+)
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.store import CacheStore
 from vllm_hpc.index.supersession import may_supersede

@@ -14,7 +14,7 @@ from vllm_hpc.index import (
     SourceOption,
     StaleQuoteError,
 )
-from vllm_hpc.index.admission import classify
+from vllm_hpc.index.source_choice import classify
 
 
 def option(frontier: int, seconds: float, restore: int = 0, own: int = 0) -> SourceOption:

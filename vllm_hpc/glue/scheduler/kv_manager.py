@@ -30,8 +30,8 @@ from vllm_hpc.glue.row_layout import RowLayout, plan_rows, spans_of
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
+from vllm_hpc.glue.scheduler.chat_format import chat_markers, prompt_hints
 from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator
-from vllm_hpc.glue.scheduler.template_hints import chat_markers, prompt_hints
 from vllm_hpc.glue.state_spec import StateSlotSpec
 from vllm_hpc.glue.versions import read_limit
 from vllm_hpc.index import MediaItem, TapHint

@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 from vllm_hpc.glue import InstallOnce
-from vllm_hpc.glue.scheduler.persistence import PrefixCacheFile
+from vllm_hpc.glue.scheduler.save_load import PrefixCacheFile
 from vllm_hpc.glue.stop_signals import accept_orderly_stop
 
 logger = logging.getLogger("vllm.vllm_hpc")

@@ -13,7 +13,7 @@ preemption) to vLLM:
 - with `--cache-audit-rate`, the cache audit's runs are queued and their outputs kept from the
   front end (`cache_audit.py`);
 - with `--prefix-cache-file`, it holds the file the engine core loads and saves
-  (`persistence.py`, `engine_core.py`).
+  (`save_load.py`, `engine_core.py`).
 
 `HybridPrefixScheduler` extends vLLM's `Scheduler` (CPU, and whenever async scheduling is off);
 `HybridPrefixAsyncScheduler` extends `AsyncScheduler`, vLLM's default on CUDA.
@@ -38,7 +38,7 @@ from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
 from vllm_hpc.glue.scheduler.fingerprint import engine_fingerprint
 from vllm_hpc.glue.scheduler.kv_events import SnapshotEventPublisher
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
-from vllm_hpc.glue.scheduler.persistence import PrefixCacheFile
+from vllm_hpc.glue.scheduler.save_load import PrefixCacheFile
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")

@@ -3,7 +3,7 @@
 The index lives here, in the engine core; the slab bytes live in the workers' host tiers. So a
 load opens the file and checks it here (header, fingerprint, tables, checksum lists: no slab
 bytes), rebuilds the entries host-only in the index, then has each worker read its own slab
-bytes into the slabs the index gave them (`glue/worker/persistence.py`). A whole save goes
+bytes into the slabs the index gave them (`glue/worker/slab_io.py`). A whole save goes
 into the slabs of its file order, which each worker started reading while the engine was
 still starting (`glue/worker/preload.py`): then the load only waits for that read to end.
 A save lets the pending copies run and every host write land, exports the tables, and has the
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_hpc.glue.stop_signals import stop_signals_caught
-from vllm_hpc.glue.worker.persistence import (
+from vllm_hpc.glue.worker.slab_io import (
     SlabTransfer,
     copy_failure,
     end_preload,

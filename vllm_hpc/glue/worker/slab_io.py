@@ -1,7 +1,7 @@
 """The workers' half of the prefix cache file (§5.5): this worker's slab bytes to and from it.
 
 The engine core runs these functions on every worker through its executor's `collective_rpc`
-(`glue/scheduler/persistence.py` decides what to save and load), so the slab bytes never
+(`glue/scheduler/save_load.py` decides what to save and load), so the slab bytes never
 leave the process whose host tier holds them: only the tables (a few bytes per entry) cross.
 Each worker writes and reads the section of its own tensor-parallel rank.
 """

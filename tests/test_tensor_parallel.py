@@ -30,7 +30,7 @@ from engine_support import (
     small_pool_llm,
 )
 
-from vllm_hpc.glue.worker.connector import issued_copies
+from vllm_hpc.glue.worker.connector_worker import issued_copies
 
 TP2 = {
     "tensor_parallel_size": 2,

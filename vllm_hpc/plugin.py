@@ -47,4 +47,4 @@ def register() -> None:
     install_cache_control()
     register_models()
     if CONNECTOR not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.connector", CONNECTOR)
+        KVConnectorFactory.register_connector(CONNECTOR, "vllm_hpc.glue.kv_connector", CONNECTOR)

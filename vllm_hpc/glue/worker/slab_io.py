@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_hpc.faults import SLOW_SAVE_SECONDS, armed
 from vllm_hpc.glue.stop_signals import end_stop_deferral, stop_signals_caught
-from vllm_hpc.glue.worker.connector import ConnectorWorker, worker_connector
+from vllm_hpc.glue.worker.connector_worker import ConnectorWorker, worker_connector
 from vllm_hpc.glue.worker.host_arena import HostArena
 from vllm_hpc.glue.worker.preload import progress_log, slab_target, tensor_parallel_rank
 from vllm_hpc.index import SlabId

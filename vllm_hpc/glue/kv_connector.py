@@ -30,19 +30,20 @@ from vllm_hpc.glue.metrics import HybridPrefixPromMetrics, HybridPrefixStats
 
 
 class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's connector interface, dispatched to its scheduler half (`scheduler/connector.py`)
-    or its workers' half (`worker/connector.py`) by role, as each process builds one of them."""
+    """vLLM's connector interface, dispatched by role to its scheduler half
+    (`scheduler/connector_scheduler.py`) or its workers' half (`worker/connector_worker.py`), as
+    each process builds one of them."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.scheduler: Any = None
         self.worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_hpc.glue.scheduler.connector import ConnectorScheduler
+            from vllm_hpc.glue.scheduler.connector_scheduler import ConnectorScheduler
 
             self.scheduler = ConnectorScheduler(vllm_config.parallel_config.world_size)
         else:
-            from vllm_hpc.glue.worker.connector import ConnectorWorker
+            from vllm_hpc.glue.worker.connector_worker import ConnectorWorker
 
             self.worker = ConnectorWorker(vllm_config, kv_cache_config)
 

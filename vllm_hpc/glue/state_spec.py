@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 
 @dataclass(frozen=True, kw_only=True)
-class StateSlotSpec(MambaSpec):
+class StateRowSpec(MambaSpec):
     """The GDN layers' proxy spec: one byte per "block", plus the states' sizes."""
 
     layer_state_bytes: int

@@ -4,7 +4,7 @@
 puts this class in its place. It translates vLLM's requests and block lists to the runtime's terms:
 
 - KV cache group "attention" (every full-attention layer): the request's 64-token pages.
-- KV cache groups of `StateSlotSpec` (the GDN layers): one "block" per request, its state row.
+- KV cache groups of `StateRowSpec` (the GDN layers): one "block" per request, its state row.
 
 KV cache events (`--kv-events-config`) come from the index's journal, translated to vLLM's
 types by `glue/scheduler/kv_events.py`. Everything else vLLM asks of a manager that the cache
@@ -32,7 +32,7 @@ from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
 from vllm_hpc.glue.scheduler.chat_format import chat_markers, prompt_hints
 from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator
-from vllm_hpc.glue.state_spec import StateSlotSpec
+from vllm_hpc.glue.state_spec import StateRowSpec
 from vllm_hpc.glue.versions import read_limit
 from vllm_hpc.index import MediaItem, TapHint
 from vllm_hpc.options import OptionError, PluginOptions
@@ -86,7 +86,7 @@ class HybridPrefixKVCacheManager:
         ]
         attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]
         state_spec = groups[self._state_groups[0]].kv_cache_spec
-        assert isinstance(state_spec, StateSlotSpec), "model must be vllm_hpc's Qwen3.5 class"
+        assert isinstance(state_spec, StateRowSpec), "model must be vllm_hpc's Qwen3.5 class"
         assert len(attention) == 1, "one full-attention KV cache group expected"
         layer_page = attention[0].kv_cache_spec.page_size_bytes
         page_bytes = layer_page * len(attention[0].layer_names)
@@ -412,7 +412,7 @@ def state_rows(
     kv_cache_config: Any,
     attention_layers: list[str],
     layer_page: int,
-    state_spec: StateSlotSpec,
+    state_spec: StateRowSpec,
     num_states: int,
 ) -> RowLayout:
     """The state rows of this KV cache, as the workers lay them out (`StatePool.bind`)."""

@@ -3,7 +3,7 @@
 A tap at a 64-token offset of a prefill chunk needs no pass of its own when the GDN prefill
 kernel can hand over the recurrent state at that offset: each GDN layer copies it into the
 snapshot slot, and the conv state there is the conv inputs just before the offset. The scheduler
-plans such taps only where the workers said they can (`StateSlotSpec.in_pass_taps`); elsewhere
+plans such taps only where the workers said they can (`StateRowSpec.in_pass_taps`); elsewhere
 (CPU, kernels without mid-chunk states) a tap splits the chunk. Two kernels can:
 
 - FLA (the "triton" GDN prefill backend) computes the state at the start of every 64-token

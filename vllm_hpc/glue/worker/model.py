@@ -7,7 +7,7 @@ names so that `--kv-cache-manager native` keeps serving vLLM's unchanged classes
   page nor switches on its "align" state caching. Attention KV stays in 64-token pages.
 - Every Gated DeltaNet layer becomes a `HybridPrefixGDN`, whose states live in the worker's
   `StatePool`: rows of pages in vLLM's own KV cache buffer, which the index shares between KV
-  pages and states at run time. Its KV-cache spec is a one-byte `StateSlotSpec`: vLLM still
+  pages and states at run time. Its KV-cache spec is a one-byte `StateRowSpec`: vLLM still
   builds GDN metadata for it, the "block id" it hands the layer for a request is the request's
   state row, and the spec carries the state's size to the scheduler.
 - On CUDA with vLLM's FLA (Triton) prefill kernel, a GDN layer also saves the step's in-pass
@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentio
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hpc.glue import InstallOnce
-from vllm_hpc.glue.state_spec import StateSlotSpec
+from vllm_hpc.glue.state_spec import StateRowSpec
 from vllm_hpc.glue.versions import (
     flashinfer_gives_checkpoints,
     has_v1_model_runner,
@@ -52,7 +52,7 @@ logger = logging.getLogger("vllm.vllm_hpc")
 _qwen3_5: Any = importlib.import_module(qwen3_5_module())
 
 
-class StateSlotGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+class StateRowGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN metadata builder, whose state indices are always rows of the `StatePool`.
 
     In a scheduled step the GDN groups' block table holds each request's state row (handed
@@ -99,10 +99,10 @@ def dense_state_indices(metadata: Any) -> None:
         metadata.non_spec_state_indices_tensor = dense.copy_(indices)
 
 
-class StateSlotGDNBackend(GDNAttentionBackend):
+class StateRowGDNBackend(GDNAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
-        return StateSlotGDNMetadataBuilder
+        return StateRowGDNMetadataBuilder
 
 
 class HybridPrefixGDN(QwenGatedDeltaNetAttention):
@@ -120,12 +120,12 @@ class HybridPrefixGDN(QwenGatedDeltaNetAttention):
         """vLLM binds its own (proxy) views; the pool's stand (`StatePool.bind`)."""
 
     def get_attn_backend(self) -> type[GDNAttentionBackend]:
-        return StateSlotGDNBackend
+        return StateRowGDNBackend
 
     def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec | None:
         pool = self.state_pool
         speculative = vllm_config.speculative_config
-        return StateSlotSpec(
+        return StateRowSpec(
             shapes=((1,),),
             dtypes=(torch.int8,),
             block_size=BLOCK_TOKENS,

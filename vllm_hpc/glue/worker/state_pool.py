@@ -122,7 +122,7 @@ class StatePool:
     def layer(self, name: str) -> tuple[torch.Tensor, ...]:
         """The layer's views. Before `bind` (vLLM profiles memory and may capture CUDA graphs
         on a temporary KV cache first), one zeroed scratch row of each state: dummy passes use
-        state index 0 (`StateSlotGDNMetadataBuilder`)."""
+        state index 0 (`StateRowGDNMetadataBuilder`)."""
         views = self._layers.get(name) or self._unbound.get(name)
         if views is None:
             views = tuple(

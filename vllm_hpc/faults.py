@@ -26,7 +26,7 @@ import os
 FAULTS_ENV = "VLLM_HPC_FAULTS"
 SLOW_COPY_STEPS = 8
 SLOW_COPY_CYCLES = 100_000_000
-"""About 50 ms of GPU clock on an H200 (`torch.cuda._sleep`)."""
+"""GPU clock cycles `torch.cuda._sleep` spins: about 50 ms at 2 GHz."""
 SLOW_SAVE_SECONDS = 0.01
 _ARMED = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
 

@@ -5,13 +5,13 @@ Tests, examples and the README's demo run on it. It has the real architecture
 runs vLLM's real kernels, and it is small enough that a CPU engine starts in seconds.
 
 Why the output head is scaled: at the default initialisation scale the logits of a random
-model are nearly flat (median top-1 margin 0.06 nat). Scaled by 16 (a power of two, so greedy
-choices are unchanged bit for bit), the median margin is 1 nat. Measured with
-`benchmarks/archive/tiny_model_margin.py` (results in `benchmarks/results/`): with one request
-in flight, prefill chunks of 2048 and 128 tokens give identical greedy tokens over 64 generated
-tokens for all 32 test prompts, and a fresh engine repeats every run exactly. When several
-requests share engine steps, the batch composition changes the kernels' shapes and a greedy
-token can flip at a near-tie; exactness tests therefore run the requests they compare alone.
+model are nearly flat (median top-1 margin 0.06 nat), so a change of kernel shape (another
+prefill chunking) can flip greedy tokens. Scaled by 16 (a power of two, so greedy choices are
+unchanged bit for bit), the median margin is 1 nat, enough that with one request in flight the
+greedy tokens do not depend on the prefill chunking and a fresh engine repeats every run
+(`docs/results.md`, "Reliability and exactness"). When several requests share engine steps, the
+batch composition changes the kernels' shapes and a greedy token can flip at a near-tie;
+exactness tests therefore run the requests they compare alone.
 
 A word-level tokenizer with a ChatML chat template comes with it, so the chat path (and the tap
 hints derived from the template's special tokens) can run too.

@@ -68,9 +68,9 @@ def register_models() -> None:
     vLLM looks those updates up by architecture name (`MODELS_CONFIG_MAP`). For Qwen3.5 they
     keep the recurrent state in the checkpoint's `mamba_ssm_dtype` (float32 in the released
     checkpoints) and give text-only models one-dimensional positions. Without them our classes
-    kept the state in the activations' dtype: a coarser state than vLLM's own engine keeps,
-    which parted answers from it (seen on the tiny MoE model on AVX2 machines). The CUDA-graph
-    mode vLLM picks by name follows too (`versions.share_graph_mode`).
+    would keep the state in the activations' dtype, coarser than vLLM's own engine keeps it, so
+    their answers could part from vLLM's. The CUDA-graph mode vLLM picks by name follows too
+    (`versions.share_graph_mode`).
     """
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP

@@ -54,8 +54,8 @@ class RuntimeConfig:
     decode_reserve_tokens: int = 256
     """Output tokens of each running request whose pages a new admission leaves free. Pages are
     taken 64 tokens at a time, so without a reserve a full pool admits requests that then run
-    out mid-decode and are preempted (1,024 requests on the H200: 132 preemptions against
-    native's 13, whose 400-token blocks reserve about 200 tokens a request on average)."""
+    out mid-decode and are preempted (native's 400-token blocks reserve about 200 tokens a
+    request on average; preemptions under load: `docs/results.md`)."""
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,11 @@ class _WritesDue:
     """A step's write-through batches, bound before its forward pass and issued after it has
     been launched, behind ``ready`` (the compute stream's position at the bind).
 
-    Issued before the forward pass, a prefill step's thousands of small copies, each waiting
-    for the step before, filled the driver's launch queue; the pass's kernels then queued
-    behind them, and the GPU sat idle between prefill steps until they were all submitted
-    (H200 profile: 55 ms a step, `benchmarks/results/gpu_load.md`). vLLM starts its own
-    connectors' asynchronous loads after the forward launch for the same reason."""
+    They go after the launch because a prefill step's thousands of small copies, each waiting
+    for the step before, fill the driver's launch queue: issued before the forward pass, the
+    pass's kernels would queue behind them, and the GPU would sit idle between prefill steps
+    until the copies were all submitted. vLLM starts its own connectors' asynchronous loads
+    after the forward launch for the same reason."""
 
     writes: list[HostWrite]
     ready: torch.cuda.Event | None

@@ -1,12 +1,11 @@
 """The byte ranges of a host tier batch, computed with array arithmetic rather than per copy.
 
-A finishing wave of a 256-request burst on the Qwen3.5-27B shape writes 16 requests' blocks
-(18 pages over 16 attention layers) and endpoint images (96 state planes, each split at slab
-edges): 5,000-7,000 ranges. Built one Python object a copy, planning and issuing that took 54 ms
-of the engine's one thread a wave on the H200, the size of the burst's decode-tail gap
-(`gpu_load.md`, run 10). Here a kind's ranges (pages, or images) for every layer of a batch come
-from one array expression over the batch's page, row and slab numbers: planning a wave takes
-0.2-0.7 ms.
+A step that finishes 16 requests on the Qwen3.5-27B shape writes their blocks (18 pages over
+16 attention layers) and endpoint images (96 state planes, each split at slab edges): 5,000-7,000
+ranges. Built one Python object a copy, planning them holds the engine's one thread for tens of
+milliseconds, while the GPU waits for the next step. So a kind's ranges (pages, or images) for
+every layer of a batch come from one array expression over the batch's page, row and slab
+numbers, and no Python object is built per range.
 
 Every range is (absolute destination address, absolute source address, bytes), the form
 `cudaMemcpyBatchAsync` takes. Ranges that continue one another on both sides, in one host chunk,

@@ -1,9 +1,8 @@
 """The CUDA runtime calls the host tier needs and PyTorch does not expose.
 
 - `cudaMemcpyBatchAsync` (CUDA 12.8+): a batch's thousands of byte ranges in one call, taken
-  straight from the planner's arrays. Issued one call a range from Python, a burst's
-  write-through costs the engine's one thread several milliseconds a step
-  (`benchmarks/results/gpu_load.md`, run 5).
+  straight from the planner's arrays, because one Python call a range holds the engine's one
+  thread for milliseconds a step when many requests write through at once.
 - `cudaMemcpyAsync`: the fallback, one call a range. PyTorch's `copy_` between a strided host
   view and a strided device view stages through unpinned temporaries and blocks the CPU, so it
   cannot overlap a restore with compute.

@@ -3,12 +3,10 @@
 vLLM's `_warmup_prefill_kernels` runs FLA's chunked GDN kernels once on 64 tokens, so that
 their Triton autotuners pick a configuration while device memory is still free. The pick is
 keyed on head counts and dims only and then serves every step of the process. On one chunk most
-configurations time within launch noise (for the output kernel on the 27B shape, 18 of 24
-within 10.7-12.6 us on an H100), while on a saturated prefill step they span 0.42-0.71 ms
-(`benchmarks/archive/results/gdn_autotune_h100.txt`); the burst's profiles found that draw slow in
-four of five hybrid-prefix engine starts (`benchmarks/results/gpu_load.md`, runs 8-12).
-Timing the candidates on several prompts' worth of tokens first makes the pick the one that is
-fast where the kernels' time matters; vLLM's warm-up then finds them tuned.
+configurations time within launch noise, so the pick is a draw, while on a saturated prefill
+step, where the kernels' time matters, they differ well beyond that noise. Timing the candidates
+on several prompts' worth of tokens first makes the pick the one that is fast there; vLLM's
+warm-up then finds them tuned.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ logger = logging.getLogger("vllm.vllm_hpc")
 # (a saturated step holds sixteen). Their tensors come to about 0.5 GB on the 27B shape, by
 # their sizes, beside the layer's projected 16,384-token input in vLLM's profile pass; that pass
 # peaks higher in the MLP (about 1.7 GB), so the KV capacity vLLM derives from it does not
-# change: on an H200 the 27B shape kept its 16,415 KV blocks with it (`gpu_load.md`, run 13).
+# change.
 TUNE_PROMPTS = 4
 TUNE_PROMPT_TOKENS = 1024
 

@@ -1,11 +1,11 @@
 """Reading the prefix cache file into the host tier while the engine still starts (§5.5).
 
-A long conversation's save is gigabytes. Read after start-up, it delayed the first request by
-as long as a cold prefill of the conversation (H200, 100,000 tokens: an 11.3 s load against an
-11.5 s prefill, `benchmarks/results/persistence.md`). So each worker starts the read as soon as
-its host tier is pinned (`ConnectorWorker.register_kv_caches`, before vLLM warms up and
-captures its CUDA graphs), on a thread of its own (file reads and checksums release the GIL),
-into the slabs of the save's file order (`file_placement`).
+A long conversation's save is gigabytes, and reading it can take about as long as a cold
+prefill of the conversation, so a read after start-up would take back what the file saves the
+first request (`docs/results.md`, "Start-up" and "Persistence"). So each worker starts the read
+as soon as its host tier is pinned (`ConnectorWorker.register_kv_caches`, before vLLM warms up
+and captures its CUDA graphs), on a thread of its own (file reads and checksums release the
+GIL), into the slabs of the save's file order (`file_placement`).
 
 Nothing read here is used before the engine core has checked the same file as before
 (fingerprint, geometry, tables): when it loads the whole save into that placement, a worker

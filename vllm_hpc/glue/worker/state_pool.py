@@ -143,10 +143,9 @@ class StatePool:
     def copy(self, copies: Iterable[StateCopy]) -> None:
         """Apply row-to-row copies one after the other, in order (a later copy sees the
         result of an earlier one). A plain copy moves the source row's bytes whole, one kernel
-        over every span (`_rows`) instead of one per layer and state tensor (96 on
-        Qwen3.5-27B): a burst's finishing steps copy 16 endpoints each, and the per-tensor
-        copies cost them about 3 ms of GPU time and 192 launches a step
-        (`benchmarks/results/gpu_load.md`, run 8's finishing-step profile)."""
+        over every span (`_rows`), because a step that finishes many requests copies an
+        endpoint for each, and one kernel per layer and state tensor (96 on Qwen3.5-27B) would
+        make each of those copies that many launches."""
         if armed("state_copy"):
             raise InjectedFault("injected state copy failure")
         corrupt = armed("snapshot_corrupt")

@@ -577,7 +577,7 @@ def bench_engine(
             results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
     measured = {"workloads": results, "bench_s": time.monotonic() - t}
     if e["config"] == HYBRID:  # calls that held the engine thread (each one is logged too)
-        from vllm_hpc.glue.worker.connector import slow_host_calls
+        from vllm_hpc.glue.worker.connector_worker import slow_host_calls
 
         measured["slow_host_calls"] = max(llm.collective_rpc(slow_host_calls))
     if args.profile_steps and e["max_num_seqs"] == parse_burst(args.burst[0])[1]:

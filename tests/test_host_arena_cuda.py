@@ -81,7 +81,6 @@ def test_round_trip_bit_exact_on_streams(
     for name in ATTENTION:
         kv[name][:20].view(torch.uint8).zero_()
     restore = arena.restore(blocks=blocks[1:], tail=blocks[0], image=ImageCopy(2, tuple(image)))
-    restore.wait_prelude()
     for layer in arena.layout.layers:
         restore.wait_layer(layer.name)
     torch.cuda.synchronize()

@@ -135,29 +135,23 @@ class TransferHandle:
 
 
 class RestoreHandle(TransferHandle):
-    """A restore batch in flight: events after the prelude and after each layer's copies.
+    """A restore batch in flight: an event after each layer's copies.
 
     The waits make the *current* stream wait (`cudaStreamWaitEvent`); they never block the CPU.
-    The lane's first prefill pass calls `wait_prelude` before anything reads the tail page and
-    `wait_layer(name)` just before each layer runs; later passes are stream-ordered behind it.
-    A lane released before its first pass calls `wait_all`: its state row may still be a
-    destination."""
+    The lane's first prefill pass calls `wait_layer(name)` just before each layer runs; later
+    passes are stream-ordered behind it. Nothing waits for the prelude (the cached tail page)
+    alone: the lane reads its own copy of the tail, which arrives with the layers. A lane
+    released before its first pass calls `wait_all`: its state row may still be a destination."""
 
     def __init__(
         self,
         nbytes: int,
         timing: CopyTiming,
-        prelude: torch.cuda.Event | None,
         layers: dict[str, torch.cuda.Event],
         device: torch.device,
     ) -> None:
         super().__init__(nbytes, timing, device)
-        self._prelude = prelude
         self._layers = layers
-
-    def wait_prelude(self) -> None:
-        if self._prelude is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._prelude)
 
     def wait_layer(self, name: str) -> None:
         event = self._layers.get(name)
@@ -328,10 +322,10 @@ class HostArena:
         events, timing = self._issue(steps, 1, to_host=False)
         device = self.layout.device
         if not events:
-            return RestoreHandle(nbytes, timing, None, {}, device)
+            return RestoreHandle(nbytes, timing, {}, device)
         names = [step.layer for step in steps[1:] if step.layer is not None]
         layers = dict(zip(names, events[1:], strict=True))
-        return RestoreHandle(nbytes, timing, events[0], layers, device)
+        return RestoreHandle(nbytes, timing, layers, device)
 
     def _block_records(self, blocks: Sequence[PageSlab]) -> Records:
         """The blocks' pages, in page order, and their slabs, located."""

@@ -95,7 +95,7 @@ def tap_policy(
 
 @dataclass(frozen=True, slots=True)
 class StateCaps:
-    """How the rows of the KV cache may be shared among states (§5.4 as built)."""
+    """How the rows of the KV cache may be shared among states (§5.4)."""
 
     active: int
     """Most requests running at once: --active-state-slots, else max_num_seqs."""

@@ -1,4 +1,4 @@
-"""States sharing the device page space with KV pages (§5.4 as built): rows, the order in which
+"""States sharing the device page space with KV pages (§5.4): rows, the order in which
 KV and snapshots give way to running requests' states, and when a given-back row is KV again."""
 
 from __future__ import annotations

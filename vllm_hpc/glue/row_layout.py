@@ -1,4 +1,4 @@
-"""Where Gated DeltaNet states live inside vLLM's KV cache buffer (§5.4 as built).
+"""Where Gated DeltaNet states live inside vLLM's KV cache buffer (§5.4).
 
 vLLM 0.32 puts every KV cache group in one int8 buffer (`allocate_kv_cache`): attention layer l's
 page of block b starts at ``offset + l * layer_stride + b * block_stride``. The hybrid prefix

@@ -272,7 +272,7 @@ def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Sna
 
 
 def _check_rows(store: CacheStore, slots_in_use: set[SlotId]) -> None:
-    """State rows (§5.4 as built): every STATE page is in exactly one row that holds a state
+    """State rows (§5.4): every STATE page is in exactly one row that holds a state
     (the scratch, a running request's, a staged or owned slot's, or one in quarantine), and the
     per-row counts match a recount."""
     pool = store.pages

@@ -272,7 +272,7 @@ class PrefixIndex:
         claim (§9.5)."""
         return self.store.available_pages
 
-    # -- state rows (§5.4 as built) ---------------------------------------------------------
+    # -- state rows (§5.4) ---------------------------------------------------------
 
     @property
     def row_pages(self) -> int:

@@ -1,4 +1,4 @@
-"""Which row of KV pages a new Gated DeltaNet state takes (§5.4 as built; beyond the spec).
+"""Which row of KV pages a new Gated DeltaNet state takes (§5.4; beyond the spec).
 
 States and KV pages share the device page space (`DevicePagePool`): a state is one row of
 ``row_pages`` consecutive pages. A row can become a state when each of its pages is free or a

@@ -512,7 +512,7 @@ class CacheStore:
         if row is not None:
             self.give_back_row(row, row_unused)
 
-    # -- state rows (§5.4 as built) ---------------------------------------------------------
+    # -- state rows (§5.4) ---------------------------------------------------------
 
     def take_state_row(self, protected: frozenset[PageId], keep: Snapshot | None) -> RowId | None:
         """A row for a running request's state (§9.5: active requests win), by

@@ -4,7 +4,7 @@ prefetch a blocked head gets, and the admission itself: source, state row, pages
 A lookup is read-only for the index (§6.1-§6.3). `admit` takes a state row, the quoted source
 and the first chunk's pages, or returns None and the request waits; vLLM keeps the queue's head
 waiting, so nothing behind it overtakes it. The state row comes out of the same device pages as
-KV (§5.4 as built), so the quote counts it among the pages the request needs.
+KV (§5.4), so the quote counts it among the pages the request needs.
 """
 
 from __future__ import annotations

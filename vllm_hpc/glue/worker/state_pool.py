@@ -1,4 +1,4 @@
-"""The Gated DeltaNet states of one worker: views into vLLM's KV cache buffer (§5.4 as built).
+"""The Gated DeltaNet states of one worker: views into vLLM's KV cache buffer (§5.4).
 
 vLLM keeps a hybrid model's recurrent states in its unified KV block pool, one page per state,
 which forces the attention block up to the size of a state page (hundreds of tokens). The

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, after the last piece of scripts/unpack_vllm034.sh: the vLLM 0.34 runs
-# of issue #47. Carries: .gpu034/extra (jsonschema and its needs, for the vision-language class's
-# processor) and .gpu/model27b-vl (benchmarks/vision_model.py's 27B-shape config with the
-# published float32 state and one MTP layer).
+# of issue #47. The replay carries .gpu/model27b-vl (benchmarks/vision_model.py's 27B-shape config
+# with the published float32 state and one MTP layer).
 #   bash scripts/gpu_vllm034.sh tests [PYTEST ARGS]   FlashInfer's kernels once, then CUDA tests
 #   bash scripts/gpu_vllm034.sh replay CONFIGS        the replay's workloads ($WORKLOADS, default
 #                                                     mix) on the 27B VL shape, into $OUT;
@@ -11,9 +10,6 @@ set -euo pipefail
 bash scripts/unpack_vllm034.sh env >/dev/null
 source .gpu034/env.sh
 bash scripts/gpu_plugin.sh >/dev/null
-if [ -d .gpu034/extra ] && [ ! -d /tmp/site/jsonschema ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu034/extra/*.whl
-fi
 case "${1:-}" in
   tests)
     shift

@@ -40,7 +40,9 @@ XZ=(xz -9 -T0 --block-size=128MiB)   # blocks let the device decompress in paral
 TAR=(tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=2026-01-01)
 
 # Wheels the device image lacks (its list: /work/.library/device/KINDS.md), for cp312 x86_64.
-# The 0.32 list (../shared/gpu/device-requirements.txt) plus what 0.34 added.
+# The 0.32 list (../shared/gpu/device-requirements.txt) plus what 0.34 added, among them
+# quack_kernels (vLLM 0.34's kernel warm-up imports it on CUDA for every model, through MiniMax
+# M3's warm-up) and jsonschema with its needs (the vision-language class's processor).
 cat > "$CACHE/requirements.txt" <<'EOF'
 annotated_doc==0.0.7
 annotated_types==0.8.0
@@ -67,6 +69,8 @@ importlib_metadata==10.2.0
 interegular==0.3.3
 jiter==0.19.0
 jmespath==1.1.0
+jsonschema==4.26.0
+jsonschema_specifications==2025.9.1
 lark==1.2.2
 llguidance==1.7.6
 lm_format_enforcer==0.11.3
@@ -101,6 +105,9 @@ pydantic_extra_types==2.11.1
 python_json_logger==4.2.0
 python_multipart==0.0.34
 pyzmq==27.3.0
+quack_kernels==0.6.5
+referencing==0.37.0
+rpds_py==2026.9.1
 setproctitle==1.3.8
 sniffio==1.3.1
 starlette==1.10.0

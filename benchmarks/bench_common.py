@@ -160,6 +160,59 @@ def parallel_kwargs(tensor_parallel_size: int) -> dict[str, Any]:
     return {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
 
 
+NATIVE_BEST = "native-best"
+"""vLLM 0.34's strongest built-in hybrid caching, the side #47 measures against."""
+
+
+BASELINES = (NATIVE_BEST, "native")
+"""What the plugin is measured against: vLLM 0.34's strongest built-in caching when a run has
+it, else vLLM's defaults."""
+
+
+def baseline(configs: Any) -> str:
+    """The configuration of ``configs`` (names) that the plugin is measured against."""
+    return next((c for c in BASELINES if c in configs), BASELINES[-1])
+
+
+def add_native_best_options(parser: argparse.ArgumentParser) -> None:
+    """The knobs of `native-best` (its CPU offloading takes ``--host-cache-mib``)."""
+    parser.add_argument(
+        "--native-retention",
+        type=lambda text: None if text.lower() == "none" else int(text),
+        default=0,
+        help="native-best's --prefix-cache-retention-interval: 0 (vLLM's default, semantic "
+        "checkpoints only), N tokens, or 'none' (every block)",
+    )
+    parser.add_argument(
+        "--admission-window",
+        type=int,
+        default=256,
+        help="native-best's --cache-aware-admission-window (waiting requests it reorders)",
+    )
+
+
+def check_native_best(parser: argparse.ArgumentParser, configs: list[str]) -> None:
+    """Refuse `native-best` on a vLLM without its flags, before any engine starts."""
+    if NATIVE_BEST not in configs:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not hasattr(EngineArgs, "cache_aware_admission_window"):
+        parser.error("native-best uses vLLM 0.34's caching flags; this vLLM predates them")
+
+
+def native_best_kwargs(args: argparse.Namespace, host_cache_mib: int) -> dict[str, Any]:
+    """The cache arguments of `native-best`: 64-token prefix matches, the retention interval
+    --native-retention, cache-aware admission over --admission-window waiting requests, and
+    CPU offloading with the host memory the plugin's host tier gets."""
+    return {
+        "prefix_match_unit": 64,
+        "prefix_cache_retention_interval": args.native_retention,
+        "cache_aware_admission_window": args.admission_window,
+        "kv_offloading_size": host_cache_mib / 1024,
+    }
+
+
 def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
     help_text = f"{scope}enforce_eager (default: vLLM's graphs)"

@@ -40,12 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
+    NATIVE_BEST,
     add_eager_option,
     add_load_format_option,
+    add_native_best_options,
     add_tensor_parallel_option,
+    check_native_best,
     cpu_machine,
     gpu_engine_kwargs,
     margin,
+    native_best_kwargs,
     parallel_kwargs,
     revision,
     source_digest,
@@ -57,7 +61,7 @@ from workloads import WORKLOADS, Session, Shape, arrivals, mix
 from vllm_hpc.options import DEFAULT_HOST_CACHE_MIB
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
-CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host", "native-best")
+CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host", NATIVE_BEST)
 """In this order: a run cut short still compares hybrid-prefix with native; native-dense
 takes its retention interval from the native engine. `hybrid-prefix` is the device tier alone
 (`host_cache_mib` 0), `hybrid-prefix-host` adds a host tier of --host-cache-mib. `native-best`
@@ -263,13 +267,8 @@ def engine_kwargs(
     cache: dict[str, Any] = {"enable_prefix_caching": True}
     if config == "native-dense":
         cache["prefix_cache_retention_interval"] = block
-    if config == "native-best":
-        cache.update(
-            prefix_match_unit=64,
-            prefix_cache_retention_interval=args.native_retention,
-            cache_aware_admission_window=args.admission_window,
-            kv_offloading_size=args.host_cache_mib / 1024,
-        )
+    if config == NATIVE_BEST:
+        cache.update(native_best_kwargs(args, args.host_cache_mib))
     extra: dict[str, Any] = {}
     if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
@@ -420,7 +419,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument(
         "--configs",
-        default=",".join(c for c in CONFIGS if c != "native-best"),
+        default=",".join(c for c in CONFIGS if c != NATIVE_BEST),
         help="comma-separated; native-best (vLLM 0.34's flags) only when asked for",
     )
     parser.add_argument(
@@ -429,19 +428,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
         default=DEFAULT_HOST_CACHE_MIB,
         help="host tier of hybrid-prefix-host, and native-best's CPU offloading",
     )
-    parser.add_argument(
-        "--native-retention",
-        type=lambda text: None if text.lower() == "none" else int(text),
-        default=0,
-        help="native-best's --prefix-cache-retention-interval: 0 (vLLM's default, semantic "
-        "checkpoints only), N tokens, or 'none' (every block)",
-    )
-    parser.add_argument(
-        "--admission-window",
-        type=int,
-        default=256,
-        help="native-best's --cache-aware-admission-window (waiting requests it reorders)",
-    )
+    add_native_best_options(parser)
     parser.add_argument("--workloads", help="comma-separated subset, by name")
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument(
@@ -457,11 +444,7 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
-    if "native-best" in args.configs.split(","):
-        from vllm.engine.arg_utils import EngineArgs
-
-        if not hasattr(EngineArgs, "cache_aware_admission_window"):
-            parser.error("native-best uses vLLM 0.34's caching flags; this vLLM predates them")
+    check_native_best(parser, args.configs.split(","))
     base = PROFILES[args.profile]
     profile = Profile(
         **{

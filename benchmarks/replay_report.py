@@ -18,13 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import publish, ratio, table_head, times
+from bench_common import baseline, publish, ratio, table_head, times
 
 from vllm_hpc.exactness import NEAR_TIE
 
-BASELINES = ("native-best", "native")
-"""What the plugin is measured against: vLLM 0.34's strongest built-in caching when the run has
-it, else vLLM's defaults."""
 OURS = ("hybrid-prefix", "hybrid-prefix-host")
 """Measured against the targets: device only, and with the host tier (the plugin's default)."""
 TARGETS = [
@@ -186,11 +183,6 @@ def _header(data: dict[str, Any]) -> list[str]:
             else []
         ),
     ]
-
-
-def baseline(configs: Any) -> str:
-    """The configuration of ``configs`` (names) that ours are measured against."""
-    return next((c for c in BASELINES if c in configs), BASELINES[-1])
 
 
 def _targets(data: dict[str, Any], table: Table) -> list[str]:

@@ -1,7 +1,8 @@
 """A vision-language model directory for dummy weights: a text config (e.g. the 27B shape of
 `../shared/gpu/models/qwen3_5-27b-shape`) inside `Qwen3_5ForConditionalGeneration`, with the
-vision tower and the float32 recurrent state of the published Qwen3.5 checkpoints and the tiny
-vision-language model's processor and byte-level tokenizer (built locally, no downloads).
+vision tower, the float32 recurrent state and the one MTP layer of the published Qwen3.5
+checkpoints and the tiny vision-language model's processor and byte-level tokenizer (built
+locally, no downloads).
 `vision_chat.py` runs on it.
 
     python benchmarks/vision_model.py --text-config .gpu/model27b/config.json --out .gpu/model27b-vl
@@ -45,6 +46,7 @@ def build(text_config: Path, out: Path) -> None:
         "mrope_interleaved": True,
     }
     text["mamba_ssm_dtype"] = "float32"  # the recurrent state's dtype the published configs ask
+    text.setdefault("mtp_num_hidden_layers", 1)  # as published; used only with MTP speculation
     tiny = tiny_model_path(VISION_RECIPE)
     ids = json.loads((tiny / "config.json").read_text())
     config = {

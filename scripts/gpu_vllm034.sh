@@ -6,6 +6,13 @@
 #   bash scripts/gpu_vllm034.sh replay CONFIGS        the replay's workloads ($WORKLOADS, default
 #                                                     mix) on the 27B VL shape, into $OUT;
 #                                                     $RESUME (a carried JSON) keeps its configs
+#   bash scripts/gpu_vllm034.sh load CONFIGS          load.py's burst and sessions on the same
+#                                                     model, into $OUT ($LOAD_RESUME as $RESUME)
+#   bash scripts/gpu_vllm034.sh measure DIR           #47's comparison, one engine at a time: the
+#                                                     replay (mix, branching, agent loop), then
+#                                                     load.py, each of vLLM's defaults, native-best
+#                                                     and hybrid-prefix, into DIR/replay, DIR/load
+#                                                     (start it detached: scripts/gpu_jobs.sh)
 set -euo pipefail
 bash scripts/unpack_vllm034.sh env >/dev/null
 source .gpu034/env.sh
@@ -18,6 +25,16 @@ case "${1:-}" in
   replay)
     python3 benchmarks/replay.py --profile gpu --model .gpu/model27b-vl \
       --workloads "${WORKLOADS:-mix}" --configs "$2" --out "$OUT" ${RESUME:+--resume "$RESUME"} ;;
+  load)
+    python3 benchmarks/load.py --model .gpu/model27b-vl --configs "$2" --out "$OUT" \
+      --budget-s 100000 ${LOAD_RESUME:+--resume "$LOAD_RESUME"} ;;
+  measure)
+    mkdir -p "$2/replay" "$2/load"
+    OUT="$2/replay" WORKLOADS="mix,branching,agent loop" \
+      bash "$0" replay native,native-best,hybrid-prefix-host
+    OUT="$2/load" bash "$0" load native,native-best,hybrid-prefix ;;
   *)
-    echo "usage: bash scripts/gpu_vllm034.sh tests [PYTEST ARGS] | replay CONFIGS" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu_vllm034.sh tests [PYTEST ARGS] | replay CONFIGS | load CONFIGS" \
+      "| measure DIR" >&2
+    exit 2 ;;
 esac

@@ -14,10 +14,10 @@ from vllm_hpc.persistence.cache_file import (
     begin_cache_file,
     commit,
     open_cache_file,
-    remove_temporaries,
     write_cache_file,
     write_section,
 )
+from vllm_hpc.persistence.replacement import remove_temporaries
 from vllm_hpc.persistence.tables import decode_tables, encode_tables
 
 __all__ = [

@@ -22,11 +22,9 @@ the engine core renames it once every rank is done (`commit`).
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,11 +33,18 @@ from typing import Any, BinaryIO
 
 from vllm_hpc.index.saved_cache import SavedCache
 from vllm_hpc.index.types import SlabId
+from vllm_hpc.persistence.header import (
+    PRELUDE,
+    HeaderError,
+    differing_keys,
+    pack_header,
+    read_header,
+)
+from vllm_hpc.persistence.replacement import replace_durably, temporary_beside
 from vllm_hpc.persistence.tables import decode_tables, encode_tables
 
 MAGIC = b"VHPCPFX\x00"
 FORMAT_VERSION = 1
-_PRELUDE = struct.Struct("<8sIII")
 ALIGN = 4096
 PROGRESS_BYTES = 64 << 20
 """Progress is reported about this often, and once at the end."""
@@ -172,18 +177,13 @@ def begin_cache_file(
         },
         sort_keys=True,
     ).encode()
-    data_offset = _align(_PRELUDE.size + len(header))
+    data_offset = _align(PRELUDE.size + len(header))
     total = data_offset + data_bytes
-    fd, temporary = tempfile.mkstemp(
-        dir=target.parent, prefix=_temporary_prefix(target), suffix=_TMP
-    )
-    pending = PendingFile(
-        target, Path(temporary), data_offset, total, slabs, slab_bytes, tuple(layout)
-    )
+    fd, temporary = temporary_beside(target)
+    pending = PendingFile(target, temporary, data_offset, total, slabs, slab_bytes, tuple(layout))
     try:
         with os.fdopen(fd, "wb") as file:
-            _pad_write(file, _PRELUDE.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
-            _pad_write(file, header, data_offset)
+            _pad_write(file, pack_header(MAGIC, FORMAT_VERSION, header), data_offset)
             _pad_write(file, tables)
             file.truncate(total)  # every section's room (sparse until written)
     except BaseException:
@@ -227,8 +227,7 @@ def write_section(
 
 def commit(pending: PendingFile) -> int:
     """Rename the save into place once every section is written; returns the file's size."""
-    os.replace(pending.temporary, pending.target)
-    _fsync_directory(pending.target.parent)
+    replace_durably(pending.temporary, pending.target)
     return pending.total
 
 
@@ -268,19 +267,6 @@ def write_cache_file(
         raise
 
 
-def remove_temporaries(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary files a save killed before its rename left beside ``path`` (the
-    previous file is intact), and name them. Only for an engine that owns ``path``: another
-    engine's save in progress would lose its temporary file."""
-    target = Path(path)
-    removed = []
-    for temporary in target.parent.glob(f"{glob.escape(_temporary_prefix(target))}*{_TMP}"):
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
-            removed.append(temporary)
-    return removed
-
-
 def open_cache_file(
     path: str | os.PathLike[str], fingerprint: Mapping[str, Any] | None
 ) -> CacheFile | str:
@@ -306,20 +292,13 @@ def open_cache_file(
 def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any] | None) -> CacheFile | str:
     stat = os.fstat(file.fileno())
     size = stat.st_size
-    prelude = file.read(_PRELUDE.size)
-    if len(prelude) < _PRELUDE.size or not prelude.startswith(MAGIC):
-        return "not a prefix cache file"
-    _, version, header_bytes, header_crc = _PRELUDE.unpack(prelude)
-    if version != FORMAT_VERSION:
-        return f"format version {version}, this build reads {FORMAT_VERSION}"
-    header_raw = file.read(header_bytes)
-    if len(header_raw) < header_bytes:
-        return f"truncated: {size} bytes, the header alone is {_PRELUDE.size + header_bytes}"
-    if zlib.crc32(header_raw) != header_crc:
-        return "bad checksum in the header"
+    try:
+        header_raw = read_header(file, MAGIC, FORMAT_VERSION, size, "prefix cache file")
+    except HeaderError as exc:
+        return str(exc)
     try:
         header = json.loads(header_raw)
-        data_offset = _align(_PRELUDE.size + header_bytes)
+        data_offset = _align(PRELUDE.size + len(header_raw))
         expected_size = data_offset + int(header["data_bytes"])
         tables_entry = header["tables"]
         slab_count = int(header["slabs"])
@@ -334,7 +313,7 @@ def _open(target: Path, file: BinaryIO, expected: Mapping[str, Any] | None) -> C
         which = "truncated" if size < expected_size else "longer than its header says"
         return f"{which}: {size} bytes, the header says {expected_size}"
     wanted = found if expected is None else json.loads(json.dumps(dict(expected)))
-    differing = sorted(k for k in wanted.keys() | found.keys() if wanted.get(k) != found.get(k))
+    differing = differing_keys(wanted, found)
     if differing:
         return f"foreign fingerprint: {', '.join(differing)} differ"
     file.seek(data_offset + int(tables_entry["offset"]))
@@ -380,13 +359,6 @@ class _Meter:
             self.progress(self.total, self.total)
 
 
-_TMP = ".tmp"
-
-
-def _temporary_prefix(target: Path) -> str:
-    return f".{target.name}."
-
-
 def _align(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
@@ -407,16 +379,3 @@ def _read_into(file: Any, buffer: memoryview) -> int:
             break
         done += count
     return done
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (POSIX); a platform without directory handles skips it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse a directory fsync
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -72,7 +72,9 @@ def decode_tables(data: bytes) -> SavedCache:
         raise ValueError(f"bad tables: {exc}") from None
 
 
-class _Reader:
+class ByteReader:
+    """Reads fixed-width records and byte runs in order; struct.error past the end."""
+
     def __init__(self, data: bytes) -> None:
         self.data = memoryview(data)
         self.at = 0
@@ -84,11 +86,16 @@ class _Reader:
 
     def raw(self, size: int) -> bytes:
         if size < 0 or self.at + size > len(self.data):
-            raise struct.error("record runs past the tables")
+            raise struct.error("record runs past its bytes")
         chunk = bytes(self.data[self.at : self.at + size])
         self.at += size
         return chunk
 
+    def rest(self) -> int:
+        return len(self.data) - self.at
+
+
+class _Reader(ByteReader):
     def saved(self) -> SavedCache:
         block_bytes, image_bytes, num_roots, num_blocks, num_snapshots = self.take(_HEAD)
         try:
@@ -121,6 +128,6 @@ class _Reader:
                     hits=hits,
                 )
             )
-        if self.at != len(self.data):
-            raise struct.error(f"{len(self.data) - self.at} bytes after the last record")
+        if self.rest():
+            raise struct.error(f"{self.rest()} bytes after the last record")
         return SavedCache(geometry, tuple(roots), tuple(blocks), tuple(snapshots))

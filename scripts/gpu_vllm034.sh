@@ -12,7 +12,8 @@
 #                                                     replay (mix, branching, agent loop), then
 #                                                     load.py, each of vLLM's defaults, native-best
 #                                                     and hybrid-prefix, into DIR/replay, DIR/load
-#                                                     (start it detached: scripts/gpu_jobs.sh)
+#                                                     (start it detached: scripts/gpu_jobs.sh;
+#                                                     it runs from a copy of the tree)
 set -euo pipefail
 bash scripts/unpack_vllm034.sh env >/dev/null
 source .gpu034/env.sh
@@ -29,6 +30,13 @@ case "${1:-}" in
     python3 benchmarks/load.py --model .gpu/model27b-vl --configs "$2" --out "$OUT" \
       --budget-s 100000 ${LOAD_RESUME:+--resume "$LOAD_RESUME"} ;;
   measure)
+    # From a private copy: each device call lays the checkout out again, and an engine started
+    # later in this job would import whatever the last call brought.
+    if [ "$(pwd)" != /tmp/src034 ]; then
+      rm -rf /tmp/src034 && mkdir -p /tmp/src034
+      tar --exclude='./.gpu034/part*' --exclude=./.git -cf - . | tar -xf - -C /tmp/src034
+      cd /tmp/src034 && exec bash scripts/gpu_vllm034.sh measure "$2"
+    fi
     mkdir -p "$2/replay" "$2/load"
     OUT="$2/replay" WORKLOADS="mix,branching,agent loop" \
       bash "$0" replay native,native-best,hybrid-prefix-host

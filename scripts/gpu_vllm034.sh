@@ -8,12 +8,13 @@
 #                                                     $RESUME (a carried JSON) keeps its configs
 #   bash scripts/gpu_vllm034.sh load CONFIGS          load.py's burst and sessions on the same
 #                                                     model, into $OUT ($LOAD_RESUME as $RESUME)
-#   bash scripts/gpu_vllm034.sh measure DIR           #47's comparison, one engine at a time: the
-#                                                     replay (mix, branching, agent loop), then
-#                                                     load.py, each of vLLM's defaults, native-best
-#                                                     and hybrid-prefix, into DIR/replay, DIR/load
-#                                                     (start it detached: scripts/gpu_jobs.sh;
-#                                                     it runs from a copy of the tree)
+#   bash scripts/gpu_vllm034.sh measure replay|load DIR
+#                                                     #47's comparison, one engine at a time,
+#                                                     each of vLLM's defaults, native-best and
+#                                                     hybrid-prefix: the replay (mix, branching,
+#                                                     agent loop) into DIR/replay, or load.py into
+#                                                     DIR/load; from a copy of the tree (start it
+#                                                     detached with scripts/gpu_jobs.sh)
 set -euo pipefail
 bash scripts/unpack_vllm034.sh env >/dev/null
 source .gpu034/env.sh
@@ -32,17 +33,21 @@ case "${1:-}" in
   measure)
     # From a private copy: each device call lays the checkout out again, and an engine started
     # later in this job would import whatever the last call brought.
-    if [ "$(pwd)" != /tmp/src034 ]; then
-      rm -rf /tmp/src034 && mkdir -p /tmp/src034
-      tar --exclude='./.gpu034/part*' --exclude=./.git -cf - . | tar -xf - -C /tmp/src034
-      cd /tmp/src034 && exec bash scripts/gpu_vllm034.sh measure "$2"
+    src=/tmp/src034-$2
+    if [ "$(pwd)" != "$src" ]; then
+      rm -rf "$src" && mkdir -p "$src"
+      tar --exclude='./.gpu034/part*' --exclude=./.git -cf - . | tar -xf - -C "$src"
+      cd "$src" && exec bash scripts/gpu_vllm034.sh measure "$2" "$3"
     fi
-    mkdir -p "$2/replay" "$2/load"
-    OUT="$2/replay" WORKLOADS="mix,branching,agent loop" \
-      bash "$0" replay native,native-best,hybrid-prefix-host
-    OUT="$2/load" bash "$0" load native,native-best,hybrid-prefix ;;
+    mkdir -p "$3/$2"
+    case "$2" in
+      replay) OUT="$3/replay" WORKLOADS="mix,branching,agent loop" \
+        bash "$0" replay native,native-best,hybrid-prefix-host ;;
+      load) OUT="$3/load" bash "$0" load native,native-best,hybrid-prefix ;;
+      *) echo "measure replay|load DIR" >&2; exit 2 ;;
+    esac ;;
   *)
     echo "usage: bash scripts/gpu_vllm034.sh tests [PYTEST ARGS] | replay CONFIGS | load CONFIGS" \
-      "| measure DIR" >&2
+      "| measure replay|load DIR" >&2
     exit 2 ;;
 esac

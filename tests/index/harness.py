@@ -29,12 +29,12 @@ from vllm_hpc.index.journal import (
     BlockRemoved,
     BlockStored,
     JournalEvent,
-    Medium,
     SnapshotPublished,
     SnapshotRemoved,
     node_media,
     snapshot_media,
 )
+from vllm_hpc.index.types import Medium
 
 BLOCK = 64
 SLAB = 4096
@@ -69,6 +69,7 @@ def make_index(
     pages: int = 64,
     slots: int = 4,
     host_slabs: int = 0,
+    disk_slabs: int = 0,
     block_bytes: int = 1000,
     image_bytes: int = 4000,
     first_page_id: int = 1,
@@ -85,6 +86,7 @@ def make_index(
         first_page_id=first_page_id,
         snapshot_slots=slots,
         host_budget_bytes=host_slabs * geometry.slab_bytes,
+        disk_budget_bytes=disk_slabs * geometry.slab_bytes,
         cost=cost or simple_cost(),
         row_pages=row_pages,
         record_events=record_events,

@@ -15,7 +15,7 @@ from vllm_hpc.index.host_eviction import ValuedSnapshot
 
 
 def gdsf_victim(h: Harness) -> Snapshot:
-    victim = h.index.store.host.next_victim(h.index.store.snapshots, None)
+    victim = h.index.store.host.next_victim(h.index.store.snapshots, h.index.store.superseded, None)
     assert isinstance(victim, ValuedSnapshot)
     return victim.snapshot
 

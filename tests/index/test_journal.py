@@ -7,10 +7,10 @@ from vllm_hpc.index.journal import (
     AllCleared,
     BlockRemoved,
     BlockStored,
-    Medium,
     SnapshotPublished,
     SnapshotRemoved,
 )
+from vllm_hpc.index.types import Medium
 
 
 def test_off_by_default_records_nothing() -> None:

@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_hpc.index.prompt import ROOT_HASH, BlockHasher, PreparedPrompt
-from vllm_hpc.index.types import BLOCK_BYTES_PACKED, BLOCK_TOKENS, NodeId, PageId, Residency, SlabId
+from vllm_hpc.index.types import (
+    BLOCK_BYTES_PACKED,
+    BLOCK_TOKENS,
+    DiskSlabId,
+    Medium,
+    NodeId,
+    PageId,
+    Residency,
+    SlabId,
+    resident_media,
+)
 
 if TYPE_CHECKING:
     from vllm_hpc.index.snapshot import Snapshot
@@ -49,10 +59,16 @@ class BlockNode:
     device_page: PageId | None = None
     host: Residency = Residency.ABSENT
     host_slab: SlabId | None = None
+    disk: Residency = Residency.ABSENT
+    disk_slab: DiskSlabId | None = None
     active_refs: int = 0
     """Active sequences whose path includes this node."""
     restore_pins: int = 0
     """In-flight restores and write-throughs of this node or of a node or snapshot below it."""
+    disk_pins: int = 0
+    """In-flight disk writes and reads of this node or of a node or snapshot below it. They
+    move host and disk slabs only, so they keep the node's host and disk copies, not its device
+    page (it stays on the device LRU)."""
     # Liveness: counts over the snapshots anchored in this node's subtree.
     live_snapshots_below: int = 0
     retained_snapshots_below: int = 0
@@ -66,6 +82,17 @@ class BlockNode:
     @property
     def held(self) -> bool:
         return self.active_refs > 0 or self.restore_pins > 0
+
+    @property
+    def slabs_held(self) -> bool:
+        """Its host and disk copies must stay: a sequence, a transfer or a disk transfer uses
+        the node or something below it."""
+        return self.held or self.disk_pins > 0
+
+    @property
+    def media(self) -> frozenset[Medium]:
+        """The tiers holding a resident copy now (a Filling copy is not yet one)."""
+        return resident_media(self.device, self.host, self.disk)
 
     @property
     def end(self) -> int:

@@ -24,7 +24,16 @@ class IndexConfig:
     (`DevicePagePool`); 0 keeps states out of it (the index's unit tests)."""
     host_budget_bytes: int = 0
     """Host slab pool size; 0 disables the host tier."""
+    disk_budget_bytes: int = 0
+    """Disk slab pool size, under the host tier (`DiskSlabPool`); 0 disables the disk tier."""
     cost: CostModel = field(default_factory=CacheCostModel)
     hasher: BlockHasher = xxh3_block_hash
     record_events: bool = False
     """Journal every residency change for KV cache events (`index/journal.py`)."""
+
+    def __post_init__(self) -> None:
+        if self.disk_budget_bytes and not self.host_budget_bytes:
+            raise ValueError(
+                "IndexConfig.disk_budget_bytes needs a host tier: the disk tier is written from "
+                "host slabs and read back into them (set host_budget_bytes, or disk to 0)"
+            )

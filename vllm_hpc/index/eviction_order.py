@@ -1,12 +1,12 @@
-"""Every order in which the device gives way and the host evicts (§9), stated once.
+"""Every order in which the device gives way and the host and disk evict (§9), stated once.
 
 The store (`make_device_room`, `take_state_row`, `take_slot`), the snapshot slots, the state rows,
-the device LRU and the host evictor carry these orders out and hold none of their own; the audit
-(`invariants.py`) checks the LRU's lists and the host's supersession order against them.
+the device LRU and the tier evictors carry these orders out and hold none of their own; the audit
+(`invariants.py`) checks the LRU's lists and the tiers' eviction sets against them.
 
-Two principles run through them: what loses nothing (a copy the host also holds, a superseded
-snapshot) goes before a last copy (§9.4), and value (GDSF, §9.3) decides only between last
-copies, where a new snapshot must be worth as much as the one it replaces.
+Two principles run through them: what loses nothing (a copy the tier below also holds, a
+superseded snapshot) goes before a last copy (§9.4), and value (GDSF, §9.3) decides only between
+last copies, where a new snapshot must be worth as much as the one it replaces.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.types import Residency, RowId
+from vllm_hpc.index.types import Medium, Residency, RowId
 
 Step = TypeVar("Step")
 Found = TypeVar("Found")
@@ -192,19 +192,45 @@ def kv_row_key(newest: int, row: RowId) -> tuple[int, int]:
     return (newest, -row)
 
 
-# -- the host tier (§9.3) ----------------------------------------------------------------------
+# -- the host and the disk tier (§9.3) ------------------------------------------------------
 
 
-class HostStep(Enum):
-    """What the host tier evicts, in `HOST_EVICTION` order."""
+def backed_on_disk(entry: BlockNode | Snapshot) -> bool:
+    """Whether the host copy of a block, or of a snapshot's image and tail, is on disk too:
+    dropping it from the host loses nothing."""
+    if isinstance(entry, Snapshot):
+        return {Medium.HOST, Medium.DISK} <= entry.media
+    return entry.host is Residency.RESIDENT and entry.disk is Residency.RESIDENT
 
+
+def disk_value_key(s: Snapshot) -> tuple[float, int]:
+    """`value_key` by the disk's own GDSF value (its own L and Z)."""
+    return (s.disk_priority, s.id)
+
+
+class TierStep(Enum):
+    """What the host and the disk tier evict, in `HOST_EVICTION` and `DISK_EVICTION` order."""
+
+    BACKED = "backed"
+    """A host copy the disk also holds (`backed_on_disk`), oldest first: nothing is lost, as
+    the device LRU drops host-backed pages first."""
     DEAD_KV = "dead KV"
-    """A host block no snapshot can reach, oldest first: it can never produce a hit."""
+    """A block no snapshot can reach, oldest first: it can never produce a hit."""
     SUPERSEDED = "superseded"
-    """A superseded snapshot's host copy, oldest supersession first; L stays."""
+    """A superseded snapshot's copy, oldest supersession first; L stays."""
     VALUE = "value"
-    """A retained snapshot's host copy by `value_key`; L rises to its H."""
+    """A retained snapshot's copy by the tier's value key (`value_key`, `disk_value_key`); the
+    tier's L rises to its H."""
 
 
-HOST_EVICTION: tuple[HostStep, ...] = (HostStep.DEAD_KV, HostStep.SUPERSEDED, HostStep.VALUE)
-"""What can never be hit, then what a newer snapshot replaced, then by value (§9.3)."""
+HOST_EVICTION: tuple[TierStep, ...] = (
+    TierStep.BACKED,
+    TierStep.DEAD_KV,
+    TierStep.SUPERSEDED,
+    TierStep.VALUE,
+)
+"""What the disk holds too, then what can never be hit, then what a newer snapshot replaced,
+then by value (§9.3)."""
+
+DISK_EVICTION: tuple[TierStep, ...] = (TierStep.DEAD_KV, TierStep.SUPERSEDED, TierStep.VALUE)
+"""The host's order below its first step: nothing lies under the disk to back it."""

@@ -14,15 +14,17 @@ from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.device_lru import LruEntry
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.eviction_order import has_host_copy
-from vllm_hpc.index.host_eviction import HostEvictor
-from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, SlabUse
+from vllm_hpc.index.host_eviction import TierEvictor
+from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, Id, SlabPool, SlabUse
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.store import SCRATCH_ROW, CacheStore
-from vllm_hpc.index.transfers import BlockWrite, Prefetch, Transfer
+from vllm_hpc.index.transfers import BlockWrite, DiskRead, DiskWrite, Prefetch, Transfer
 from vllm_hpc.index.types import (
     BLOCK_BYTES_PACKED,
+    DiskSlabId,
     InvariantError,
+    Medium,
     PageId,
     Residency,
     RowId,
@@ -52,6 +54,7 @@ def check_invariants(store: CacheStore, leases: set[Lease], in_flight: set[Trans
     _check_liveness(store, nodes, snapshots)
     _check_device(store, nodes, snapshots)
     _check_host(store, nodes, snapshots)
+    _check_disk(store, nodes, snapshots)
 
 
 def _check_tree(store: CacheStore) -> list[BlockNode]:
@@ -81,13 +84,11 @@ def _check_tree(store: CacheStore) -> list[BlockNode]:
                 node.lookup_hash == hasher(parent.lookup_hash, node.tokens, node.extra),
                 f"node {node.id} has a stale lookup hash",
             )
-            _expect(
-                node.device is Residency.RESIDENT or node.host is Residency.RESIDENT,
-                f"node {node.id} has no resident copy",
-            )
+            _expect(bool(node.media), f"node {node.id} has no resident copy on any tier")
             _expect(
                 (node.device_page is None) == (node.device is Residency.ABSENT)
-                and (node.host_slab is None) == (node.host is Residency.ABSENT),
+                and (node.host_slab is None) == (node.host is Residency.ABSENT)
+                and (node.disk_slab is None) == (node.disk is Residency.ABSENT),
                 f"node {node.id} has a location without a state or the reverse",
             )
             _expect(
@@ -108,34 +109,33 @@ def _check_snapshots(store: CacheStore, nodes: list[BlockNode], snapshots: list[
     for s in snapshots:
         _expect(s.anchor in in_tree, f"snapshot {s.id} anchored outside the tree")
         _expect(s.tail_len < 64 and len(s.tail) % 4 == 0, f"snapshot {s.id} has a bad tail")
+        _expect(bool(s.image_media), f"snapshot {s.id} has no resident image on any tier")
         _expect(
-            s.slot is not None or s.image_host is Residency.RESIDENT,
-            f"snapshot {s.id} has no resident image",
-        )
-        _expect(
-            len(s.image_slabs) == (0 if s.image_host is Residency.ABSENT else image_slabs),
+            len(s.image_slabs) == (0 if s.image_host is Residency.ABSENT else image_slabs)
+            and len(s.image_disk_slabs) == (0 if s.image_disk is Residency.ABSENT else image_slabs),
             f"snapshot {s.id} image slabs do not match its state",
         )
-        if s.tail:
-            _expect(
-                Residency.RESIDENT in (s.tail_device, s.tail_host),
-                f"snapshot {s.id} has no resident tail",
-            )
+        _expect(bool(s.tail_media), f"snapshot {s.id} has no resident tail on any tier")
         _expect(
             (s.tail_page is None) == (s.tail_device is Residency.ABSENT)
-            and (s.tail_slab is None) == (s.tail_host is Residency.ABSENT),
+            and (s.tail_slab is None) == (s.tail_host is Residency.ABSENT)
+            and (s.tail_disk_slab is None) == (s.tail_disk is Residency.ABSENT),
             f"snapshot {s.id} has a tail location without a state or the reverse",
         )
         _expect(
-            bool(s.tail) or (s.tail_page is None and s.tail_slab is None),
+            bool(s.tail) or (s.tail_page is None and s.tail_slab is None and not s.tail_disk_slab),
             f"snapshot {s.id} has tail copies but no tail",
         )
         _expect(
-            (s in store.host.superseded) == s.superseded,
+            not s.tail or s.tail_disk is s.image_disk,
+            f"snapshot {s.id}'s disk copy is not its image and tail together",
+        )
+        _expect(
+            (s in store.superseded) == s.superseded,
             f"snapshot {s.id} superseded flag and order disagree",
         )
         _expect(s.slot is None or store.slots.owner(s.slot) is s, f"slot of {s.id} not owned")
-    ticks = [s.superseded_at for s in store.host.superseded]
+    ticks = [s.superseded_at for s in store.superseded]
     _expect(ticks == sorted(ticks), "superseded snapshots are not oldest supersession first")
 
 
@@ -145,15 +145,21 @@ def _check_holds(
     leases: set[Lease],
     in_flight: set[Transfer],
 ) -> None:
-    """Refs come from open leases, pins from in-flight transfers; both path-closed (§10.3)."""
+    """Refs come from open leases, pins from in-flight transfers, disk pins from in-flight disk
+    transfers (which pin no device page); all path-closed (§10.3)."""
     refs: Counter[BlockNode] = Counter()
     for lease in leases:
         refs.update([lease.root, *lease.path])
     pins: Counter[BlockNode] = Counter()
     snapshot_pins: Counter[Snapshot] = Counter()
+    disk_pins: Counter[BlockNode] = Counter()
+    snapshot_disk_pins: Counter[Snapshot] = Counter()
     for transfer in in_flight:
         if isinstance(transfer, BlockWrite | Prefetch):
             pins.update(_ancestors(transfer.pinned))
+        elif isinstance(transfer, DiskWrite | DiskRead):
+            snapshot_disk_pins[transfer.snapshot] += 1
+            disk_pins.update(_ancestors(transfer.snapshot.anchor))
         else:
             snapshot_pins[transfer.snapshot] += 1
             pins.update(_ancestors(transfer.snapshot.anchor))
@@ -163,15 +169,42 @@ def _check_holds(
             f"node {node.id} refs {node.active_refs} != {refs[node]}",
         )
         _expect(
-            node.restore_pins == pins[node],
-            f"node {node.id} pins {node.restore_pins} != {pins[node]}",
+            node.restore_pins == pins[node] and node.disk_pins == disk_pins[node],
+            f"node {node.id} pins {node.restore_pins}, {node.disk_pins} (disk) != "
+            f"{pins[node]}, {disk_pins[node]}",
         )
-        filling = Residency.FILLING in (node.device, node.host)
-        _expect(not filling or node.restore_pins > 0, f"node {node.id} is Filling but unpinned")
+        _expect(
+            _pinned_if_filling(
+                node.device, node.host, node.disk, node.restore_pins, node.disk_pins
+            ),
+            f"node {node.id} is Filling but unpinned",
+        )
     for s in snapshots:
-        _expect(s.restore_pins == snapshot_pins[s], f"snapshot {s.id} pins do not match transfers")
-        filling = Residency.FILLING in (s.image_host, s.tail_device, s.tail_host)
-        _expect(not filling or s.restore_pins > 0, f"snapshot {s.id} is Filling but unpinned")
+        _expect(
+            s.restore_pins == snapshot_pins[s] and s.disk_pins == snapshot_disk_pins[s],
+            f"snapshot {s.id} pins do not match transfers",
+        )
+        _expect(
+            _pinned_if_filling(
+                s.tail_device, s.image_host, s.image_disk, s.restore_pins, s.disk_pins
+            )
+            and _pinned_if_filling(
+                s.tail_device, s.tail_host, s.tail_disk, s.restore_pins, s.disk_pins
+            ),
+            f"snapshot {s.id} is Filling but unpinned",
+        )
+
+
+def _pinned_if_filling(
+    device: Residency, host: Residency, disk: Residency, pins: int, disk_pins: int
+) -> bool:
+    """A Filling copy has its transfer's pin: a device copy a restore's or prefetch's; a host
+    copy a write-through's or a disk read's; a disk copy a disk write's."""
+    return (
+        (device is not Residency.FILLING or pins > 0)
+        and (host is not Residency.FILLING or pins > 0 or disk_pins > 0)
+        and (disk is not Residency.FILLING or disk_pins > 0)
+    )
 
 
 def _check_liveness(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
@@ -199,28 +232,38 @@ def _check_liveness(store: CacheStore, nodes: list[BlockNode], snapshots: list[S
             s.dependents == {t for t in snapshots if t.ancestor is s},
             f"snapshot {s.id} has wrong dependents",
         )
+        _expect(
+            bool(s.media - {Medium.DISK}) or all(n.media for n in s.anchor.path()),
+            f"a path block of disk-only snapshot {s.id} has no copy on any tier",
+        )
         kept = [t for t in above if not t.superseded]
         base = max((t.frontier for t in kept), default=0)
-        exclusive = 0
-        if not s.superseded:
-            exclusive = sum(
-                1
-                for node in _ancestors(s.anchor)
-                if not node.is_root and node.host_slab is not None and retained[node] == [s]
-            )
+        exclusive = (
+            []
+            if s.superseded
+            else [n for n in _ancestors(s.anchor) if not n.is_root and retained[n] == [s]]
+        )
         value = store.value
-        size = value.own_bytes(bool(s.tail)) + exclusive * value.geometry.block_bytes
+        block_bytes = value.geometry.block_bytes
+        own = value.own_bytes(bool(s.tail))
+        size = own + sum(n.host_slab is not None for n in exclusive) * block_bytes
+        disk_size = own + sum(n.disk_slab is not None for n in exclusive) * block_bytes
         cost = value.saved_seconds(s.frontier, base)
         priority = s.base_l + (1 + s.hits) * cost / size
+        disk_priority = s.disk_base_l + (1 + s.hits) * cost / disk_size
         _expect(
-            s.size == size and s.cost == cost and math.isclose(s.priority, priority),
+            s.size == size
+            and s.disk_size == disk_size
+            and s.cost == cost
+            and math.isclose(s.priority, priority)
+            and math.isclose(s.disk_priority, disk_priority),
             f"snapshot {s.id} GDSF value differs from a recomputation",
         )
     _expect(
         store.snapshots.top == {s for s in snapshots if s.ancestor is None},
         "top-level snapshot set differs from a recomputation",
     )
-    _expect(store.value.inflation >= 0.0, "L below zero")
+    _expect(min(store.value.inflation, store.value.disk_inflation) >= 0.0, "L below zero")
 
 
 def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
@@ -294,32 +337,15 @@ def _check_rows(store: CacheStore, slots_in_use: set[SlotId]) -> None:
 
 
 def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
-    """Slab ownership (§10.1), chunk geometry (§5.4) and the dead-KV set (§9.3)."""
-    expected: dict[int, SlabUse] = {}
-    slabs: list[int] = []
-    for node in nodes:
-        if node.host_slab is not None:
-            slabs.append(node.host_slab)
-            expected[node.host_slab] = SlabUse.NODE
-    for s in snapshots:
-        for slab in s.image_slabs:
-            slabs.append(slab)
-            expected[slab] = SlabUse.IMAGE
-        if s.tail_slab is not None:
-            slabs.append(s.tail_slab)
-            expected[s.tail_slab] = SlabUse.TAIL
-    _expect(len(slabs) == len(expected), "a host slab has two owners")
+    """Slab ownership (§10.1), chunk geometry (§5.4), the dead-KV set (§9.3) and the set of
+    host copies the disk backs."""
     pool = store.slabs
-    free = pool.free_slabs
-    _expect(len(free) == len(set(free)), "host free list holds a slab twice")
-    _expect(len(free) + len(expected) == pool.capacity, "free + used slabs != capacity")
-    for index in range(pool.capacity):
-        slab = SlabId(index)
-        want = expected.get(slab, SlabUse.FREE)
-        _expect(pool.use(slab) is want, f"slab {slab} is {pool.use(slab).name}, not {want.name}")
-    for use in (SlabUse.NODE, SlabUse.IMAGE, SlabUse.TAIL):
-        count = sum(1 for u in expected.values() if u is use)
-        _expect(pool.num_in_use(use) == count, f"{use.name} slab count differs from a recount")
+    owners: list[tuple[SlabId | None, SlabUse]] = [
+        *((n.host_slab, SlabUse.NODE) for n in nodes),
+        *((slab, SlabUse.IMAGE) for s in snapshots for slab in s.image_slabs),
+        *((s.tail_slab, SlabUse.TAIL) for s in snapshots),
+    ]
+    _check_slabs(pool, "host", owners)
     slab_bytes = pool.geometry.slab_bytes
     _expect(sum(pool.chunk_slabs) == pool.capacity, "chunks do not cover the pool")
     _expect(
@@ -331,5 +357,45 @@ def _check_host(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snaps
         all(n in in_tree and n.device is Residency.RESIDENT for n in store.prefetched),
         "a prefetched block is no longer a device-resident node",
     )
-    dead = {n for n in nodes if not n.is_root and HostEvictor.is_dead(n)}
-    _expect(set(store.host.dead) == dead, "dead-KV set differs from a recomputation")
+    _check_tier_sets(store.host, nodes)
+    entries: list[BlockNode | Snapshot] = [*nodes, *snapshots]
+    backed = {e for e in entries if store.host.is_backed(e)}
+    _expect(set(store.host.backed) == backed, "backed host copies differ from a recomputation")
+
+
+def _check_disk(store: CacheStore, nodes: list[BlockNode], snapshots: list[Snapshot]) -> None:
+    """Disk slab ownership (one owner per disk slab) and the disk's dead-KV set."""
+    owners: list[tuple[DiskSlabId | None, SlabUse]] = [
+        *((n.disk_slab, SlabUse.NODE) for n in nodes),
+        *((slab, SlabUse.IMAGE) for s in snapshots for slab in s.image_disk_slabs),
+        *((s.tail_disk_slab, SlabUse.TAIL) for s in snapshots),
+    ]
+    _check_slabs(store.disk_slabs, "disk", owners)
+    _check_tier_sets(store.disk, nodes)
+    _expect(not store.disk.backed, "the disk tier has backed copies")
+
+
+def _check_tier_sets(tier: TierEvictor, nodes: list[BlockNode]) -> None:
+    dead = {n for n in nodes if not n.is_root and tier.is_dead(n)}
+    _expect(set(tier.dead) == dead, f"{tier.medium.value} dead-KV set differs from a recomputation")
+
+
+def _check_slabs(pool: SlabPool[Id], tier: str, owners: list[tuple[Id | None, SlabUse]]) -> None:
+    """One owner per slab, each slab's use as its owner says, free + used = capacity."""
+    expected: dict[Id, SlabUse] = {}
+    slabs: list[Id] = []
+    for slab, use in owners:
+        if slab is not None:
+            slabs.append(slab)
+            expected[slab] = use
+    _expect(len(slabs) == len(expected), f"a {tier} slab has two owners")
+    free: list[Id] = pool.free_slabs
+    _expect(len(free) == len(set(free)), f"{tier} free list holds a slab twice")
+    _expect(not set(free) & set(expected), f"a {tier} slab is both free and owned")
+    _expect(len(free) + len(expected) == pool.capacity, f"{tier} free + used slabs != capacity")
+    for slab, want in expected.items():
+        _expect(pool.use(slab) is want, f"{tier} slab {slab} is not used as its owner says")
+    _expect(all(pool.use(f) is SlabUse.FREE for f in free), f"a free {tier} slab is in use")
+    for use in (SlabUse.NODE, SlabUse.IMAGE, SlabUse.TAIL):
+        count = sum(1 for u in expected.values() if u is use)
+        _expect(pool.num_in_use(use) == count, f"{tier} {use.name} slab count differs")

@@ -12,18 +12,10 @@ path (commit, restore, eviction, subtree deletion, load) the change took. Off by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.types import Residency, SnapshotId
-
-
-class Medium(Enum):
-    """Where a copy lives: the device tier or the host tier."""
-
-    DEVICE = "device"
-    HOST = "host"
+from vllm_hpc.index.types import Medium, SnapshotId
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,36 +67,24 @@ class SnapshotRemoved:
 JournalEvent = BlockStored | BlockRemoved | AllCleared | SnapshotPublished | SnapshotRemoved
 
 _NONE: frozenset[Medium] = frozenset()
-_DEVICE = frozenset((Medium.DEVICE,))
-_HOST = frozenset((Medium.HOST,))
-_BOTH = _DEVICE | _HOST
-_ORDER = (Medium.DEVICE, Medium.HOST)
+_ORDER = tuple(Medium)
 
 
 def node_media(node: BlockNode) -> frozenset[Medium]:
     """The media holding a resident copy of ``node`` now (a Filling copy is not yet one)."""
-    device = node.device is Residency.RESIDENT
-    host = node.host is Residency.RESIDENT
-    if device and host:
-        return _BOTH
-    return _DEVICE if device else _HOST if host else _NONE
+    return node.media
 
 
 def snapshot_media(snapshot: Snapshot) -> frozenset[Medium]:
     """The media a request could restore ``snapshot`` from, each alone."""
-    device = snapshot.complete_on_device
-    host = snapshot.image_host is Residency.RESIDENT and (
-        not snapshot.tail or snapshot.tail_host is Residency.RESIDENT
-    )
-    if device and host:
-        return _BOTH
-    return _DEVICE if device else _HOST if host else _NONE
+    return snapshot.media
 
 
 def _changes(
     before: frozenset[Medium], now: frozenset[Medium]
 ) -> tuple[list[Medium], list[Medium]]:
-    """The media lost and gained, device first (a consumer sees the same order each time)."""
+    """The media lost and gained, device first, disk last (a consumer sees the same order
+    each time)."""
     return [m for m in _ORDER if m in before and m not in now], [
         m for m in _ORDER if m in now and m not in before
     ]

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.cache_load import LoadedCache, load_saved
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
+from vllm_hpc.index.eviction_order import value_key
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.invariants import check_invariants
 from vllm_hpc.index.journal import Journal, JournalEvent
@@ -47,6 +49,9 @@ from vllm_hpc.index.supersession import may_supersede
 from vllm_hpc.index.transfers import (
     BlockCopy,
     BlockWrite,
+    DiskCopy,
+    DiskRead,
+    DiskWrite,
     Prefetch,
     Restore,
     SnapshotWrite,
@@ -55,6 +60,7 @@ from vllm_hpc.index.transfers import (
 from vllm_hpc.index.types import (
     BLOCK_BYTES_PACKED,
     BLOCK_TOKENS,
+    Medium,
     PageId,
     Residency,
     RowId,
@@ -237,6 +243,8 @@ class PrefixIndex:
         path = match.path[: match.candidates[-1].anchor.depth + 1]
         if any(Residency.FILLING in (node.device, node.host) for node in path):
             return None  # another transfer is landing on this path: its own time will come
+        # Only as deep as the host reaches: a disk-only block needs a disk read first.
+        path = list(takewhile(lambda node: bool(node.media - {Medium.DISK}), path))
         wanted = [node for node in path if node.device is Residency.ABSENT]
         if not wanted:
             return None
@@ -263,6 +271,152 @@ class PrefixIndex:
             self.store.land_device(copy.node)
             self.store.prefetched.add(copy.node)
         self.store.pin_path(prefetch.pinned, -1)
+
+    # -- the disk tier (disk-tier plan §1, §3) ----------------------------------------------
+
+    def plan_disk_writes(self, max_bytes: int) -> list[DiskWrite]:
+        """Write-behind: the most valuable retained snapshots whose image and tail are on the
+        host and not on disk, each with the blocks of its anchor path not on disk yet, while
+        their bytes fit ``max_bytes``. Blocks with no snapshot below (dead KV) are never
+        written: nothing resumes from them. Disk room comes by `DISK_EVICTION`, never from a
+        snapshot worth more on disk than the one written. The host copies stay pinned until
+        ``complete_disk_write`` or ``fail_disk_write``."""
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must not be negative, got {max_bytes}")
+        store = self.store
+        if not store.disk_slabs.enabled:
+            return []
+        candidates = sorted(filter(_writable, store.snapshots), key=value_key, reverse=True)
+        if candidates:
+            store.advance()
+        slab_bytes = store.value.geometry.slab_bytes
+        writes: list[DiskWrite] = []
+        for snapshot in candidates:
+            # An earlier write of this plan may have taken a shared block, or made disk room.
+            if snapshot not in store.snapshots or not _writable(snapshot):
+                continue
+            write = self._write_to_disk(snapshot, max_bytes // slab_bytes)
+            if write is not None:
+                writes.append(write)
+                max_bytes -= _disk_slabs(write) * slab_bytes
+        return writes
+
+    def _write_to_disk(self, snapshot: Snapshot, max_slabs: int) -> DiskWrite | None:
+        store = self.store
+        image_count = store.value.geometry.image_slabs
+        blocks = [node for node in snapshot.anchor.path() if node.disk is Residency.ABSENT]
+        count = image_count + bool(snapshot.tail) + len(blocks)
+        if count > max_slabs:
+            return None
+        store.disk_pin_snapshot(snapshot, 1)  # making room must not take its own path
+        if not store.make_disk_room(count, limit=store.value.disk_estimate(snapshot)):
+            store.disk_pin_snapshot(snapshot, -1)
+            self.stats.disk_writes_declined += 1
+            return None
+        pool = store.disk_slabs
+        block_slabs = pool.allocate(len(blocks), SlabUse.NODE)
+        image = pool.allocate(image_count, SlabUse.IMAGE)
+        tail = pool.allocate(1, SlabUse.TAIL) if snapshot.tail else []
+        assert block_slabs is not None and image is not None and tail is not None
+        copies = []
+        for node, disk_slab in zip(blocks, block_slabs, strict=True):
+            assert node.host_slab is not None
+            store.fill_disk(node, disk_slab)
+            copies.append(DiskCopy(node, node.host_slab, disk_slab))
+        store.fill_snapshot_disk(snapshot, image, tail[0] if tail else None)
+        tail_pair = None
+        if tail:
+            assert snapshot.tail_slab is not None
+            tail_pair = (snapshot.tail_slab, tail[0])
+        write = DiskWrite(snapshot, tuple(copies), snapshot.image_slabs, tuple(image), tail_pair)
+        self._in_flight.add(write)
+        self.stats.disk_writes += 1
+        return write
+
+    def complete_disk_write(self, write: DiskWrite) -> None:
+        """The write's slabs are on disk (and, from step 2 on, journaled)."""
+        self._finish(write)
+        for copy in write.blocks:
+            self.store.land_disk(copy.node)
+        self.store.land_snapshot_disk(write.snapshot)
+        self.store.disk_pin_snapshot(write.snapshot, -1)
+
+    def fail_disk_write(self, write: DiskWrite) -> None:
+        """The write did not land: its disk slabs are free again, the host copies unpinned."""
+        self._finish(write)
+        for copy in write.blocks:
+            self.store.cancel_disk(copy.node)
+        self.store.cancel_snapshot_disk(write.snapshot)
+        self.store.disk_pin_snapshot(write.snapshot, -1)
+        self.stats.disk_writes_failed += 1
+
+    def plan_disk_read(self, snapshot: Snapshot) -> DiskRead | None:
+        """Read ``snapshot``'s disk-only parts (path blocks, image, tail) into new host slabs,
+        evicting from the host as for a hit, so a host restore can follow (§4 of the plan).
+        None when nothing is disk-only, a copy of it is landing, a path block has only a device
+        copy (the device LRU may drop it, and a disk read pins no device page), or the host
+        has no room."""
+        store = self.store
+        if snapshot not in store.snapshots:
+            raise ValueError("the snapshot is not in this index")
+        path = snapshot.anchor.path()
+        if any(not node.media - {Medium.DEVICE} or _filling(node) for node in path):
+            return None
+        if _filling_snapshot(snapshot):
+            return None
+        disk_only = frozenset((Medium.DISK,))
+        blocks = [node for node in path if node.media == disk_only]
+        read_image = snapshot.image_media == disk_only
+        read_tail = bool(snapshot.tail) and snapshot.tail_media == disk_only
+        image_count = store.value.geometry.image_slabs if read_image else 0
+        count = len(blocks) + image_count + read_tail
+        if not count:
+            return None
+        store.advance()
+        store.disk_pin_snapshot(snapshot, 1)  # making room must not take its own path
+        if not store.make_host_room(count):
+            store.disk_pin_snapshot(snapshot, -1)
+            return None
+        pool = store.slabs
+        block_slabs = pool.allocate(len(blocks), SlabUse.NODE)
+        image = pool.allocate(image_count, SlabUse.IMAGE)
+        tail = pool.allocate(1, SlabUse.TAIL) if read_tail else []
+        assert block_slabs is not None and image is not None and tail is not None
+        copies = []
+        for node, slab in zip(blocks, block_slabs, strict=True):
+            assert node.disk_slab is not None
+            store.fill_host(node, slab)
+            copies.append(DiskCopy(node, slab, node.disk_slab))
+        tail_pair = None
+        if tail:
+            assert snapshot.tail_disk_slab is not None
+            tail_pair = (snapshot.tail_disk_slab, tail[0])
+        if image or tail:
+            store.fill_snapshot_host(snapshot, image, tail[0] if tail else None)
+        image_disk = snapshot.image_disk_slabs if image else ()
+        read = DiskRead(snapshot, tuple(copies), image_disk, tuple(image), tail_pair)
+        self._in_flight.add(read)
+        self.stats.disk_reads += 1
+        return read
+
+    def complete_disk_read(self, read: DiskRead) -> None:
+        """The read's host slabs hold the records: they are host copies like any other."""
+        self._finish(read)
+        for copy in read.blocks:
+            self.store.land_host(copy.node)
+        if read.image_slabs or read.tail is not None:
+            self.store.land_snapshot_host(read.snapshot)
+        self.store.disk_pin_snapshot(read.snapshot, -1)
+
+    def fail_disk_read(self, read: DiskRead) -> None:
+        """The read did not land: its host slabs are free again, the disk copies unpinned and
+        kept (dropping a record that fails its check is the read path's, §4 of the plan)."""
+        self._finish(read)
+        for copy in read.blocks:
+            self.store.cancel_host(copy.node)
+        self.store.cancel_snapshot_host(read.snapshot)
+        self.store.disk_pin_snapshot(read.snapshot, -1)
+        self.stats.disk_reads_failed += 1
 
     # -- active pages -----------------------------------------------------------------------
 
@@ -615,6 +769,33 @@ class PrefixIndex:
         write = BlockWrite(tuple(copies), todo[-1])
         self._in_flight.add(write)
         return write
+
+
+def _filling(node: BlockNode) -> bool:
+    return Residency.FILLING in (node.device, node.host, node.disk)
+
+
+def _filling_snapshot(snapshot: Snapshot) -> bool:
+    copies = (snapshot.image_host, snapshot.image_disk)
+    tails = (snapshot.tail_device, snapshot.tail_host, snapshot.tail_disk)
+    return Residency.FILLING in (*copies, *tails)
+
+
+def _writable(snapshot: Snapshot) -> bool:
+    """Retained, whole on the host and not on disk, nothing of it or its path landing, and
+    every block of its path on the host or the disk: a disk write then holds it whole."""
+    if snapshot.superseded or snapshot.holds_disk or Medium.HOST not in snapshot.media:
+        return False
+    if _filling_snapshot(snapshot):
+        return False
+    return all(
+        not _filling(node) and bool(node.media & {Medium.HOST, Medium.DISK})
+        for node in snapshot.anchor.path()
+    )
+
+
+def _disk_slabs(write: DiskWrite) -> int:
+    return len(write.blocks) + len(write.image_disk_slabs) + (write.tail is not None)
 
 
 def _target(match: MatchResult) -> Snapshot | None:

@@ -8,6 +8,8 @@ from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.types import (
     TICK_ZERO,
     TOKEN_BYTES,
+    DiskSlabId,
+    Medium,
     PageId,
     Residency,
     SlabId,
@@ -15,6 +17,7 @@ from vllm_hpc.index.types import (
     SnapshotId,
     SnapshotKind,
     Tick,
+    resident_media,
 )
 
 
@@ -48,8 +51,15 @@ class Snapshot:
     tail_device: Residency = Residency.ABSENT
     tail_slab: SlabId | None = None
     tail_host: Residency = Residency.ABSENT
+    # The disk copy: image and tail (if any) together, written behind the host copy.
+    image_disk_slabs: tuple[DiskSlabId, ...] = ()
+    image_disk: Residency = Residency.ABSENT
+    tail_disk_slab: DiskSlabId | None = None
+    tail_disk: Residency = Residency.ABSENT
     restore_pins: int = 0
     """In-flight transfers reading or writing it; its anchor path is pinned with it."""
+    disk_pins: int = 0
+    """In-flight disk writes and reads of it; its anchor path is disk-pinned with it."""
     # Supersession and recency (§9.2, §9.3).
     superseded: bool = False
     superseded_at: Tick = TICK_ZERO
@@ -63,6 +73,10 @@ class Snapshot:
     cost: float = 0.0
     size: int = 0
     priority: float = 0.0
+    # The disk tier's GDSF: its own L (``disk_base_l``) and its own Z (exclusive disk bytes).
+    disk_base_l: float = 0.0
+    disk_size: int = 0
+    disk_priority: float = 0.0
 
     @property
     def tail_len(self) -> int:
@@ -75,6 +89,28 @@ class Snapshot:
     @property
     def holds_host(self) -> bool:
         return bool(self.image_slabs) or self.tail_slab is not None
+
+    @property
+    def holds_disk(self) -> bool:
+        return bool(self.image_disk_slabs) or self.tail_disk_slab is not None
+
+    @property
+    def image_media(self) -> frozenset[Medium]:
+        """The tiers holding a resident image (a slot's image is resident)."""
+        device = Residency.ABSENT if self.slot is None else Residency.RESIDENT
+        return resident_media(device, self.image_host, self.image_disk)
+
+    @property
+    def tail_media(self) -> frozenset[Medium]:
+        """The tiers holding a resident tail; every tier for a snapshot without one."""
+        if not self.tail:
+            return frozenset(Medium)
+        return resident_media(self.tail_device, self.tail_host, self.tail_disk)
+
+    @property
+    def media(self) -> frozenset[Medium]:
+        """The tiers a request could restore it from, each alone (image and tail both there)."""
+        return self.image_media & self.tail_media
 
     @property
     def complete_on_device(self) -> bool:

@@ -135,7 +135,8 @@ def source_options(
 ) -> list[SourceOption]:
     """[s*, s_dev, root] without repeats, in fallback order (§6.2, §6.3).
 
-    Candidates whose path, image or tail another admission is still filling are skipped.
+    Candidates whose path, image or tail another admission is still filling, or that only the
+    disk holds (a disk read must bring it to the host first), are skipped.
     ``row_pages(s)``: pages the available count holds for snapshot s's row, which admitting
     from s pins (`CacheStore.row_pages_given_way`).
     """
@@ -146,12 +147,17 @@ def source_options(
     host_before = [0, *accumulate(state is Residency.ABSENT for state in states)]
     lru_before = [0, *accumulate(node in lru for node in path)]
     usable_depth = next(
-        (depth for depth, state in enumerate(states) if state is Residency.FILLING), len(path)
+        (depth for depth, node in enumerate(path) if not _restorable(node.device, node.host)),
+        len(path),
     )
 
     def option(snapshot: Snapshot) -> SourceOption | None:
         blocks = snapshot.anchor.depth + 1
-        if blocks > usable_depth or snapshot.tail_device is Residency.FILLING:
+        if blocks > usable_depth:
+            return None
+        if snapshot.tail and not _restorable(snapshot.tail_device, snapshot.tail_host):
+            return None
+        if snapshot.slot is None and snapshot.image_host is not Residency.RESIDENT:
             return None
         tail_on_host = bool(snapshot.tail) and snapshot.tail_device is Residency.ABSENT
         host_bytes = (host_before[blocks] + tail_on_host) * geometry.block_bytes
@@ -175,6 +181,13 @@ def source_options(
         options.append(device)
     options.append(SourceOption(None, 0, 0, 0, 0, 0, cost.prefill_seconds(0, n)))
     return options
+
+
+def _restorable(device: Residency, host: Residency) -> bool:
+    """A copy an admission can use now: on the device, or else to restore from the host."""
+    return device is Residency.RESIDENT or (
+        device is Residency.ABSENT and host is Residency.RESIDENT
+    )
 
 
 def choose(options: list[SourceOption]) -> SourceOption:

@@ -38,8 +38,22 @@ class CacheStats:
     """Snapshots that lost their device slot to a newer snapshot, a running request or KV."""
     state_rows_from_kv: int = 0
     """Rows of KV pages that became a state (their cached pages evicted first)."""
+    host_backed_evicted: int = 0
+    """Host copies dropped because the disk holds them too (nothing lost)."""
     host_dead_reclaimed: int = 0
     host_superseded_evicted: int = 0
     host_gdsf_evicted: int = 0
+    disk_dead_reclaimed: int = 0
+    disk_superseded_evicted: int = 0
+    disk_gdsf_evicted: int = 0
+    # The disk tier's transfers.
+    disk_writes: int = 0
+    """Snapshots (with the blocks of their paths not on disk yet) planned for disk."""
+    disk_writes_declined: int = 0
+    """Disk writes that found no disk room worth taking (the snapshot stays off disk)."""
+    disk_writes_failed: int = 0
+    disk_reads: int = 0
+    disk_reads_failed: int = 0
+    """Reads whose records failed: those disk copies are dropped."""
     nodes_deleted: int = 0
     snapshots_deleted: int = 0

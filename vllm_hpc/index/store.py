@@ -7,7 +7,7 @@ changes. Copies are bookkeeping only: dropping one frees an id, it never waits f
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
 from vllm_hpc.index.config import IndexConfig
@@ -22,8 +22,14 @@ from vllm_hpc.index.eviction_order import (
     loses_nothing,
 )
 from vllm_hpc.index.gdsf import GdsfValuation
-from vllm_hpc.index.host_eviction import DeadBlock, HostEvictor, StaleSnapshot, ValuedSnapshot
-from vllm_hpc.index.host_pool import HostSlabPool
+from vllm_hpc.index.host_eviction import (
+    BackedCopy,
+    DeadBlock,
+    StaleSnapshot,
+    TierEvictor,
+    ValuedSnapshot,
+)
+from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool
 from vllm_hpc.index.journal import Journal
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, may_give_way
@@ -31,6 +37,8 @@ from vllm_hpc.index.snapshot_table import PathChange, SnapshotTable
 from vllm_hpc.index.state_rows import choose_kv_row
 from vllm_hpc.index.stats import CacheStats
 from vllm_hpc.index.types import (
+    DiskSlabId,
+    Medium,
     PageId,
     Residency,
     RowId,
@@ -70,7 +78,11 @@ class CacheStore:
         if self.pages.num_rows:
             self.pages.take_row(SCRATCH_ROW)
         self.slabs = HostSlabPool(config.host_budget_bytes, config.geometry)
-        self.host = HostEvictor()
+        self.disk_slabs = DiskSlabPool(config.disk_budget_bytes, config.geometry)
+        self.host = TierEvictor(Medium.HOST)
+        self.disk = TierEvictor(Medium.DISK)
+        self.superseded: OrderedDict[Snapshot, None] = OrderedDict()
+        """Every superseded snapshot, in supersession order (both tiers evict them first)."""
         self.value = GdsfValuation(config.cost, config.geometry)
         self.stats = stats
         self.prefetched: set[BlockNode] = set()
@@ -91,7 +103,8 @@ class CacheStore:
     # -- derived-set membership -------------------------------------------------------------
 
     def sync_node(self, node: BlockNode) -> None:
-        """LRU iff device-resident and unheld (backed iff host-resident); dead set per §9.3."""
+        """LRU iff device-resident and unheld (backed iff host-resident); the tiers' dead and
+        backed sets per §9.3."""
         if self.journal is not None and not node.is_root:
             self._journal_block(node)
         if node.is_root:
@@ -102,14 +115,16 @@ class CacheStore:
                 self.prefetch_epoch += 1
         else:
             self.lru.remove(node)
-        self.host.sync_dead(node)
+        self.host.sync_node(node)
+        self.disk.sync_node(node)
 
     def _journal_block(self, node: BlockNode) -> None:
         assert self.journal is not None and node.parent is not None
         first = node.parent.is_root
         self.journal.block(node, self.tree.salt_of(node.parent) if first else None)
 
-    def sync_tail(self, snapshot: Snapshot) -> None:
+    def sync_snapshot(self, snapshot: Snapshot) -> None:
+        """The tail page's LRU entry iff resident and unpinned; the host's backed set."""
         if self.journal is not None:
             self.journal.snapshot(snapshot)
         if snapshot.tail_device is Residency.RESIDENT and snapshot.restore_pins == 0:
@@ -117,20 +132,23 @@ class CacheStore:
                 self.prefetch_epoch += 1
         else:
             self.lru.remove(snapshot)
+        self.host.sync_snapshot(snapshot)
 
     def _apply(self, change: PathChange, *touched: Snapshot) -> None:
         for node in change.crossed:
-            self.host.sync_dead(node)
+            self.host.sync_node(node)
+            self.disk.sync_node(node)
         owner = () if change.owner is None else (change.owner,)
         for snapshot in (*change.relinked, *owner, *touched):
             if snapshot in self.snapshots:
                 self.value.revalue(snapshot)
 
-    def _resize_owner(self, node: BlockNode, delta_bytes: int) -> None:
-        """A node's host copy came or went: its exclusive owner (if any) changes size."""
+    def _resize_owner(self, node: BlockNode, medium: Medium, sign: int) -> None:
+        """A node's host or disk copy came (``sign`` 1) or went (-1): its exclusive owner (if
+        any) changes size on that tier."""
         if node.retained_snapshots_below == 1:
             owner = self.snapshots.by_id[SnapshotId(node.retained_id_sum)]
-            self.value.resize(owner, delta_bytes)
+            self.value.resize(owner, medium, sign * self.value.geometry.block_bytes)
 
     # -- refs and pins (path-closed) --------------------------------------------------------
 
@@ -152,7 +170,20 @@ class CacheStore:
         snapshot.restore_pins += delta
         assert snapshot.restore_pins >= 0, "snapshot pin count below zero"
         self.pin_path(snapshot.anchor, delta)
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
+
+    def disk_pin_snapshot(self, snapshot: Snapshot, delta: int) -> None:
+        """Pin (or unpin) a disk transfer's snapshot and its path: their host and disk copies
+        stay, their device pages stay evictable (path-closed, as `pin_path`)."""
+        snapshot.disk_pins += delta
+        assert snapshot.disk_pins >= 0, "snapshot disk pin count below zero"
+        current: BlockNode | None = snapshot.anchor
+        while current is not None:
+            current.disk_pins += delta
+            assert current.disk_pins >= 0, "disk pin count below zero"
+            self.sync_node(current)
+            current = current.parent
+        self.sync_snapshot(snapshot)
 
     # -- copies: a destination is Filling until its transfer lands ---------------------------
 
@@ -179,7 +210,7 @@ class CacheStore:
     def fill_host(self, node: BlockNode, slab: SlabId) -> None:
         """A write-through destination for a device-resident node."""
         node.host_slab, node.host = slab, Residency.FILLING
-        self._resize_owner(node, self.value.geometry.block_bytes)
+        self._resize_owner(node, Medium.HOST, 1)
         self.sync_node(node)
 
     def add_host_node(
@@ -198,36 +229,102 @@ class CacheStore:
         self.prefetch_epoch += 1
         self.sync_node(node)
 
+    def fill_disk(self, node: BlockNode, slab: DiskSlabId) -> None:
+        """A disk write's destination for a host-resident node."""
+        node.disk_slab, node.disk = slab, Residency.FILLING
+        self._resize_owner(node, Medium.DISK, 1)
+        self.sync_node(node)
+
+    def land_disk(self, node: BlockNode) -> None:
+        assert node.disk is Residency.FILLING
+        node.disk = Residency.RESIDENT
+        self.sync_node(node)
+
+    def cancel_host(self, node: BlockNode) -> None:
+        """A Filling host copy whose transfer failed goes; the node keeps its other copies."""
+        assert node.host is Residency.FILLING and node.host_slab is not None
+        self.slabs.free((node.host_slab,))
+        self._resize_owner(node, Medium.HOST, -1)
+        node.host_slab, node.host = None, Residency.ABSENT
+        self.sync_node(node)
+
+    def cancel_disk(self, node: BlockNode) -> None:
+        """A Filling disk copy whose write failed goes; the node keeps its other copies."""
+        assert node.disk is Residency.FILLING and node.disk_slab is not None
+        self.disk_slabs.free((node.disk_slab,))
+        self._resize_owner(node, Medium.DISK, -1)
+        node.disk_slab, node.disk = None, Residency.ABSENT
+        self.sync_node(node)
+
     def fill_tail_device(self, snapshot: Snapshot) -> PageId:
         (page,) = self.pages.allocate(1, PageState.FILLING)
         snapshot.tail_page, snapshot.tail_device = page, Residency.FILLING
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
         return page
 
     def land_tail_device(self, snapshot: Snapshot) -> None:
         assert snapshot.tail_device is Residency.FILLING and snapshot.tail_page is not None
         self.pages.set_state(snapshot.tail_page, PageState.FILLING, PageState.CACHED)
         snapshot.tail_device = Residency.RESIDENT
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
 
     def fill_snapshot_host(
         self, snapshot: Snapshot, image: list[SlabId], tail: SlabId | None
     ) -> None:
-        snapshot.image_slabs, snapshot.image_host = tuple(image), Residency.FILLING
+        """Host destinations for the image and/or the tail (a disk read may bring one)."""
+        assert image or tail is not None
+        if image:
+            snapshot.image_slabs, snapshot.image_host = tuple(image), Residency.FILLING
         if tail is not None:
             snapshot.tail_slab, snapshot.tail_host = tail, Residency.FILLING
+        self.sync_snapshot(snapshot)
 
     def land_snapshot_host(self, snapshot: Snapshot) -> None:
-        assert snapshot.image_host is Residency.FILLING
-        snapshot.image_host = Residency.RESIDENT
-        if snapshot.tail_slab is not None:
+        assert Residency.FILLING in (snapshot.image_host, snapshot.tail_host)
+        if snapshot.image_host is Residency.FILLING:
+            snapshot.image_host = Residency.RESIDENT
+        if snapshot.tail_host is Residency.FILLING:
             snapshot.tail_host = Residency.RESIDENT
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
+
+    def cancel_snapshot_host(self, snapshot: Snapshot) -> None:
+        """Filling host copies whose transfer failed go; resident ones and the other tiers'
+        copies stay."""
+        if snapshot.image_host is Residency.FILLING:
+            self.slabs.free(snapshot.image_slabs)
+            snapshot.image_slabs, snapshot.image_host = (), Residency.ABSENT
+        if snapshot.tail_host is Residency.FILLING:
+            assert snapshot.tail_slab is not None
+            self.slabs.free((snapshot.tail_slab,))
+            snapshot.tail_slab, snapshot.tail_host = None, Residency.ABSENT
+        self.sync_snapshot(snapshot)
+
+    def fill_snapshot_disk(
+        self, snapshot: Snapshot, image: list[DiskSlabId], tail: DiskSlabId | None
+    ) -> None:
+        snapshot.image_disk_slabs, snapshot.image_disk = tuple(image), Residency.FILLING
+        if tail is not None:
+            snapshot.tail_disk_slab, snapshot.tail_disk = tail, Residency.FILLING
+        self.sync_snapshot(snapshot)
+
+    def land_snapshot_disk(self, snapshot: Snapshot) -> None:
+        assert snapshot.image_disk is Residency.FILLING
+        snapshot.image_disk = Residency.RESIDENT
+        if snapshot.tail_disk_slab is not None:
+            snapshot.tail_disk = Residency.RESIDENT
+        self.value.stamp_disk(snapshot)
+        self.sync_snapshot(snapshot)
+
+    def cancel_snapshot_disk(self, snapshot: Snapshot) -> None:
+        """Filling disk copies whose write failed go; the snapshot keeps its other copies."""
+        assert snapshot.image_disk is Residency.FILLING
+        self._free_snapshot_disk(snapshot)
+        self.sync_snapshot(snapshot)
 
     def drop_node_device(self, node: BlockNode) -> None:
         assert not node.held and node.device is Residency.RESIDENT and node.device_page is not None
         self.prefetched.discard(node)
-        if node.host is not Residency.RESIDENT:
+        if node.media == {Medium.DEVICE}:
             self.delete_subtree(node)
             return
         self.pages.free((node.device_page,))
@@ -237,20 +334,33 @@ class CacheStore:
         self.sync_node(node)
 
     def drop_node_host(self, node: BlockNode) -> None:
-        assert not node.held and node.host is Residency.RESIDENT and node.host_slab is not None
-        if node.device is not Residency.RESIDENT:
+        assert not node.slabs_held and node.host is Residency.RESIDENT
+        assert node.host_slab is not None
+        if node.media == {Medium.HOST}:
             self.delete_subtree(node)
             return
         self.slabs.free((node.host_slab,))
-        self._resize_owner(node, -self.value.geometry.block_bytes)
+        self._resize_owner(node, Medium.HOST, -1)
         node.host_slab = None
         node.host = Residency.ABSENT
+        self.sync_node(node)
+
+    def drop_node_disk(self, node: BlockNode) -> None:
+        assert not node.slabs_held and node.disk is Residency.RESIDENT
+        assert node.disk_slab is not None
+        if node.media == {Medium.DISK}:
+            self.delete_subtree(node)
+            return
+        self.disk_slabs.free((node.disk_slab,))
+        self._resize_owner(node, Medium.DISK, -1)
+        node.disk_slab = None
+        node.disk = Residency.ABSENT
         self.sync_node(node)
 
     def delete_subtree(self, top: BlockNode) -> None:
         """§9.4: ``top`` lost its last copy; delete it, its subtree and their snapshots."""
         for node in self.tree.subtree(top):
-            assert not node.held, "deleting a held node"
+            assert not node.slabs_held, "deleting a held node"
             for snapshot in list(node.snapshots or ()):
                 self.delete_snapshot(snapshot)
             assert node.retained_snapshots_below == 0
@@ -259,9 +369,13 @@ class CacheStore:
                 self.lru.remove(node)
             if node.host_slab is not None:
                 self.slabs.free((node.host_slab,))
-                self.host.dead.pop(node, None)
+            if node.disk_slab is not None:
+                self.disk_slabs.free((node.disk_slab,))
+            self.host.forget(node)
+            self.disk.forget(node)
             node.device_page, node.device = None, Residency.ABSENT
             node.host_slab, node.host = None, Residency.ABSENT
+            node.disk_slab, node.disk = None, Residency.ABSENT
             self.prefetched.discard(node)
             if self.journal is not None:
                 self._journal_block(node)
@@ -312,10 +426,10 @@ class CacheStore:
     def _register(self, snapshot: Snapshot) -> None:
         self.value.stamp(snapshot)
         self._apply(self.snapshots.add(snapshot), snapshot)
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
 
     def delete_snapshot(self, snapshot: Snapshot) -> None:
-        assert snapshot.restore_pins == 0, "deleting a pinned snapshot"
+        assert snapshot.restore_pins == snapshot.disk_pins == 0, "deleting a pinned snapshot"
         if snapshot.slot is not None:
             self.release_slot(snapshot.slot, snapshot.published_plan < self.plan)
             snapshot.slot = None
@@ -323,8 +437,10 @@ class CacheStore:
             self.pages.free((snapshot.tail_page,))
             snapshot.tail_page, snapshot.tail_device = None, Residency.ABSENT
         self._free_snapshot_host(snapshot)
+        self._free_snapshot_disk(snapshot)
         self.lru.remove(snapshot)
-        self.host.superseded.pop(snapshot, None)
+        self.host.forget(snapshot)
+        self.superseded.pop(snapshot, None)
         self._apply(self.snapshots.remove(snapshot))
         if snapshot.anchor.is_root:
             self.tree.discard_root_if_idle(snapshot.anchor)
@@ -339,32 +455,56 @@ class CacheStore:
             self.slabs.free((snapshot.tail_slab,))
             snapshot.tail_slab, snapshot.tail_host = None, Residency.ABSENT
 
+    def _free_snapshot_disk(self, snapshot: Snapshot) -> None:
+        self.disk_slabs.free(snapshot.image_disk_slabs)
+        snapshot.image_disk_slabs, snapshot.image_disk = (), Residency.ABSENT
+        if snapshot.tail_disk_slab is not None:
+            self.disk_slabs.free((snapshot.tail_disk_slab,))
+            snapshot.tail_disk_slab, snapshot.tail_disk = None, Residency.ABSENT
+
+    @staticmethod
+    def _kept_without(snapshot: Snapshot, medium: Medium, image: bool, tail: bool) -> bool:
+        """Whether the snapshot keeps an image and a tail somewhere once its ``image`` and/or
+        ``tail`` copies on ``medium`` go; if not, it is lost (§9.4)."""
+        gone = frozenset((medium,))
+        return bool(
+            (snapshot.image_media - gone if image else snapshot.image_media)
+            and (snapshot.tail_media - gone if tail else snapshot.tail_media)
+        )
+
     def drop_snapshot_host(self, snapshot: Snapshot) -> None:
-        """Give up the host copies; a snapshot not complete on device is then lost."""
-        if not snapshot.complete_on_device:
+        """Give up the host copies; a snapshot with no image or tail left is then lost."""
+        if not self._kept_without(snapshot, Medium.HOST, image=True, tail=True):
             self.delete_snapshot(snapshot)
             return
         self._free_snapshot_host(snapshot)
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
+
+    def drop_snapshot_disk(self, snapshot: Snapshot) -> None:
+        """Give up the disk copies; a snapshot with no image or tail left is then lost."""
+        if not self._kept_without(snapshot, Medium.DISK, image=True, tail=True):
+            self.delete_snapshot(snapshot)
+            return
+        self._free_snapshot_disk(snapshot)
+        self.sync_snapshot(snapshot)
 
     def drop_snapshot_image_device(self, snapshot: Snapshot) -> None:
         assert snapshot.slot is not None
-        if snapshot.image_host is not Residency.RESIDENT:
+        if not self._kept_without(snapshot, Medium.DEVICE, image=True, tail=False):
             self.delete_snapshot(snapshot)
             return
         self.release_slot(snapshot.slot, snapshot.published_plan < self.plan)
         snapshot.slot = None
-        if self.journal is not None:
-            self.journal.snapshot(snapshot)
+        self.sync_snapshot(snapshot)
 
     def drop_snapshot_tail_device(self, snapshot: Snapshot) -> None:
         assert snapshot.tail_page is not None
-        if snapshot.tail_host is not Residency.RESIDENT:
+        if not self._kept_without(snapshot, Medium.DEVICE, image=False, tail=True):
             self.delete_snapshot(snapshot)
             return
         self.pages.free((snapshot.tail_page,))
         snapshot.tail_page, snapshot.tail_device = None, Residency.ABSENT
-        self.sync_tail(snapshot)
+        self.sync_snapshot(snapshot)
 
     # -- supersession and hits --------------------------------------------------------------
 
@@ -374,9 +514,9 @@ class CacheStore:
         change = self.snapshots.set_superseded(snapshot, superseded)
         if superseded:
             snapshot.superseded_at = self.tick
-            self.host.superseded[snapshot] = None
+            self.superseded[snapshot] = None
         else:
-            del self.host.superseded[snapshot]
+            del self.superseded[snapshot]
         self._apply(change, snapshot)
 
     def touch(self, snapshot: Snapshot, hit: bool) -> None:
@@ -456,23 +596,57 @@ class CacheStore:
 
         Returns False when nothing more may go; what was evicted stays evicted.
         """
-        while self.slabs.num_free < count:
-            victim = self.host.next_victim(self.snapshots, limit)
+        return self._make_tier_room(self.host, self.slabs, count, limit)
+
+    def make_disk_room(self, count: int, limit: float | None = None) -> bool:
+        """`make_host_room` for the disk tier, by its own order and values."""
+        return self._make_tier_room(self.disk, self.disk_slabs, count, limit)
+
+    def _make_tier_room(
+        self,
+        tier: TierEvictor,
+        pool: SlabPool[SlabId] | SlabPool[DiskSlabId],
+        count: int,
+        limit: float | None,
+    ) -> bool:
+        host = tier.medium is Medium.HOST
+        stats = self.stats
+        while pool.num_free < count:
+            victim = tier.next_victim(self.snapshots, self.superseded, limit)
             if victim is None:
                 return False
             match victim:
+                case BackedCopy(entry):
+                    stats.host_backed_evicted += 1
+                    if isinstance(entry, Snapshot):
+                        self.drop_snapshot_host(entry)
+                    else:
+                        self.drop_node_host(entry)
                 case DeadBlock(node):
-                    self.stats.host_dead_reclaimed += 1
-                    self.drop_node_host(node)
+                    if host:
+                        stats.host_dead_reclaimed += 1
+                        self.drop_node_host(node)
+                    else:
+                        stats.disk_dead_reclaimed += 1
+                        self.drop_node_disk(node)
                 case StaleSnapshot(snapshot):
-                    # Only the host copy: one still in a device slot keeps serving edits and
+                    # Only this tier's copy: one still in a device slot keeps serving edits and
                     # retries until the slot is wanted (superseded owners go first there too).
-                    self.stats.host_superseded_evicted += 1
-                    self.drop_snapshot_host(snapshot)
+                    if host:
+                        stats.host_superseded_evicted += 1
+                        self.drop_snapshot_host(snapshot)
+                    else:
+                        stats.disk_superseded_evicted += 1
+                        self.drop_snapshot_disk(snapshot)
                 case ValuedSnapshot(snapshot):
-                    self.stats.host_gdsf_evicted += 1
-                    self.value.inflate(snapshot.priority)
-                    self.drop_snapshot_host(snapshot)
+                    if host:
+                        stats.host_gdsf_evicted += 1
+                        self.value.inflate(snapshot.priority)
+                        self.drop_snapshot_host(snapshot)
+                    else:
+                        stats.disk_gdsf_evicted += 1
+                        self.value.inflate_disk(snapshot.disk_priority)
+                        self.drop_snapshot_disk(snapshot)
         return True
 
     def take_slot(self, new_priority: float) -> SlotId | None:

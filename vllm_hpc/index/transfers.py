@@ -1,6 +1,6 @@
 """Copy plans the index hands to whoever moves the bytes, and reports back on completion.
 
-The index never touches tensor memory. An operation that needs data moved reserves the
+The index never touches tensor memory or files. An operation that needs data moved reserves the
 destinations, marks them Filling, pins the sources and returns one of these records; the copy
 runs elsewhere and the matching ``complete_*`` call makes the destinations resident and drops the
 pins (§6.5, §7.4, §7.6).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.types import PageId, SlabId, SlotId
+from vllm_hpc.index.types import DiskSlabId, PageId, SlabId, SlotId
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,4 +71,40 @@ class Restore:
     tail_page: PageId | None
 
 
-Transfer = Restore | BlockWrite | SnapshotWrite | Prefetch
+@dataclass(frozen=True, slots=True, eq=False)
+class DiskCopy:
+    """One block record between its host slab and its disk slab (either way)."""
+
+    node: BlockNode
+    slab: SlabId
+    disk_slab: DiskSlabId
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DiskWrite:
+    """Host -> disk write-behind of a snapshot's image and tail, with the blocks of its anchor
+    path not on disk yet (disk-tier plan §1). The host copies stay pinned until the write lands
+    or fails; device pages are not pinned."""
+
+    snapshot: Snapshot
+    blocks: tuple[DiskCopy, ...]
+    image_slabs: tuple[SlabId, ...]
+    image_disk_slabs: tuple[DiskSlabId, ...]
+    tail: tuple[SlabId, DiskSlabId] | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DiskRead:
+    """Disk -> host read of a snapshot's disk-only parts into new host slabs (Filling, as a
+    restore's pages are), so that a host restore can follow (§4 of the plan). The disk copies
+    stay pinned until the read lands or fails; device pages are not pinned."""
+
+    snapshot: Snapshot
+    blocks: tuple[DiskCopy, ...]
+    image_disk_slabs: tuple[DiskSlabId, ...]
+    image_slabs: tuple[SlabId, ...]
+    """Both empty when the image is in a device slot or on the host."""
+    tail: tuple[DiskSlabId, SlabId] | None
+
+
+Transfer = Restore | BlockWrite | SnapshotWrite | Prefetch | DiskWrite | DiskRead

@@ -27,6 +27,8 @@ NodeId = NewType("NodeId", int)
 SnapshotId = NewType("SnapshotId", int)
 PageId = NewType("PageId", int)
 SlabId = NewType("SlabId", int)
+DiskSlabId = NewType("DiskSlabId", int)
+"""A slab of the disk tier's file: a host slab's size, a separate id space."""
 SlotId = NewType("SlotId", int)
 RowId = NewType("RowId", int)
 """A row of consecutive device pages that holds one Gated DeltaNet state (`DevicePagePool`)."""
@@ -35,8 +37,16 @@ Tick = NewType("Tick", int)
 TICK_ZERO = Tick(0)
 
 
+class Medium(Enum):
+    """A tier a copy lives on."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
 class Residency(Enum):
-    """State of one copy (device or host) of a node, tail or image (§5.2).
+    """State of one copy (device, host or disk) of a node, tail or image (§5.2).
 
     FILLING means a transfer is writing the copy: readers must wait and nobody may free it.
     """
@@ -44,6 +54,14 @@ class Residency(Enum):
     ABSENT = 0
     FILLING = 1
     RESIDENT = 2
+
+
+def resident_media(device: Residency, host: Residency, disk: Residency) -> frozenset[Medium]:
+    """The tiers whose copy is resident (a Filling copy is not yet one)."""
+    states = (device, host, disk)
+    return frozenset(
+        m for m, state in zip(Medium, states, strict=True) if state is Residency.RESIDENT
+    )
 
 
 class SnapshotKind(Enum):

@@ -24,6 +24,7 @@ import msgspec
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -44,15 +45,18 @@ from vllm_hpc.index import BLOCK_TOKENS, BlockNode
 from vllm_hpc.index.journal import (
     AllCleared,
     JournalEvent,
-    Medium,
     SnapshotPublished,
     SnapshotRemoved,
 )
 from vllm_hpc.index.journal import BlockRemoved as JournalBlockRemoved
 from vllm_hpc.index.journal import BlockStored as JournalBlockStored
 from vllm_hpc.index.prompt import unpack_tokens
+from vllm_hpc.index.types import Medium
 
-MEDIA = {Medium.DEVICE: MEDIUM_GPU, Medium.HOST: MEDIUM_CPU}
+MEDIA = {Medium.DEVICE: MEDIUM_GPU, Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE}
+"""vLLM's name of each tier (the disk is vLLM's storage medium, as its CPU offloading names a
+disk-backed store)."""
+assert set(MEDIA) == set(Medium), "a tier has no vLLM medium"
 
 
 class SnapshotStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

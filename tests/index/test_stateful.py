@@ -33,6 +33,7 @@ from vllm_hpc.index import (
     xxh3_block_hash,
 )
 from vllm_hpc.index.prompt import pack_tokens
+from vllm_hpc.index.transfers import DiskRead, DiskWrite
 
 DOCS = [[(d * 31 + i * 17) % 997 for i in range(6 * BLOCK)] for d in range(2)]
 HEADS = [[*doc, 1] for doc in DOCS]
@@ -61,6 +62,7 @@ class IndexMachine(RuleBasedStateMachine):
         collide=st.booleans(),
         row_pages=st.sampled_from([0, 0, 2, 3]),
         record=st.booleans(),
+        disk=st.sampled_from([0, 3, 8, 30]),
     )
     def setup(
         self,
@@ -70,9 +72,11 @@ class IndexMachine(RuleBasedStateMachine):
         collide: bool,
         row_pages: int = 0,
         record: bool = False,
+        disk: int = 0,
     ) -> None:
         """With ``row_pages``, states take rows of the page space (running requests' too).
-        With ``record``, the journal's replay must equal the residency after every step."""
+        With ``record``, the journal's replay must equal the residency after every step.
+        ``disk`` slabs make a disk tier under a host tier."""
         hasher = colliding_hash if collide else xxh3_block_hash
         self.index: PrefixIndex = make_index(
             pages=pages + (1 + slots + 2) * row_pages,
@@ -81,12 +85,14 @@ class IndexMachine(RuleBasedStateMachine):
             hasher=hasher,
             row_pages=row_pages,
             record_events=record,
+            disk_slabs=disk if host else 0,
         )
         self.replay = JournalReplay() if record else None
         self.running: list[Running] = []
         self.writes: list[BlockWrite | SnapshotWrite] = []
         self.pressure: list[list[PageId]] = []
         self.prefetches: list[Prefetch] = []
+        self.disk_transfers: list[DiskWrite | DiskRead] = []
         self.waiting = [self.index.prepare_prompt(tokens) for tokens in HEADS]
         """Waiting requests, each with its prepared prompt kept from step to step, as the runtime
         keeps it; the first is the queue's head."""
@@ -324,6 +330,67 @@ class IndexMachine(RuleBasedStateMachine):
     def complete_prefetch(self) -> None:
         self.index.complete_prefetch(self.prefetches.pop())
 
+    # -- the disk tier ----------------------------------------------------------------------
+
+    @rule(slabs=st.integers(0, 12), now=st.booleans())
+    def write_behind(self, slabs: int, now: bool) -> None:
+        """The writer takes what fits ``slabs`` slabs, most valuable first."""
+        slab_bytes = self.index.store.value.geometry.slab_bytes
+        for write in self.index.plan_disk_writes(slabs * slab_bytes):
+            if now:
+                self.index.complete_disk_write(write)
+            else:
+                self.disk_transfers.append(write)
+
+    @rule(pick=st.integers(0, 99), now=st.booleans())
+    def read_back(self, pick: int, now: bool) -> None:
+        """A snapshot's disk-only parts are read into the host, as a hit on disk will."""
+        store = self.index.store
+        snapshots = [s for s in store.snapshots if s.holds_disk]
+        if not snapshots:
+            return
+        snapshot = snapshots[pick % len(snapshots)]
+        if snapshot in store.host.backed:  # the host let it go first, nothing lost
+            store.drop_snapshot_host(snapshot)
+        if snapshot in store.snapshots and snapshot.slot is not None and not snapshot.restore_pins:
+            store.drop_snapshot_image_device(snapshot)  # and the device its slot
+        if snapshot not in store.snapshots:
+            return
+        read = self.index.plan_disk_read(snapshot)
+        if read is None:
+            return
+        if now:
+            self.index.complete_disk_read(read)
+        else:
+            self.disk_transfers.append(read)
+
+    @precondition(lambda self: bool(self.disk_transfers))
+    @rule(pick=st.integers(0, 99), fail=st.booleans())
+    def land_disk_transfer(self, pick: int, fail: bool) -> None:
+        transfer = self.disk_transfers.pop(pick % len(self.disk_transfers))
+        index = self.index
+        if isinstance(transfer, DiskWrite):
+            (index.fail_disk_write if fail else index.complete_disk_write)(transfer)
+        else:
+            (index.fail_disk_read if fail else index.complete_disk_read)(transfer)
+
+    @rule(pick=st.integers(0, 99))
+    def drop_slot(self, pick: int) -> None:
+        """A snapshot gives its device slot up, as to a running request's state."""
+        store = self.index.store
+        owners = [s for s in store.snapshots if s.slot is not None and not s.restore_pins]
+        if owners:
+            store.drop_snapshot_image_device(owners[pick % len(owners)])
+
+    @rule(count=st.integers(1, 10), disk=st.booleans())
+    def evict_tier(self, count: int, disk: bool) -> None:
+        """Pressure on one slab tier, by its own order."""
+        store = self.index.store
+        if disk:
+            store.make_disk_room(count)
+        else:
+            store.make_host_room(count)
+
     # -- pressure and maintenance -----------------------------------------------------------
 
     @rule()
@@ -344,7 +411,9 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self) -> None:
-        idle = not (self.running or self.writes or self.pressure or self.prefetches)
+        idle = not (
+            self.running or self.writes or self.pressure or self.prefetches or self.disk_transfers
+        )
         assert self.index.reset() is idle
         if idle:
             self.inflation = 0.0
@@ -357,7 +426,9 @@ class IndexMachine(RuleBasedStateMachine):
         flush of device-only snapshots into slabs nothing else saved uses (planned from any
         state: what is in flight is not flushable)."""
         index = self.index
-        idle = not (self.running or self.writes or self.pressure or self.prefetches)
+        idle = not (
+            self.running or self.writes or self.pressure or self.prefetches or self.disk_transfers
+        )
         saved = index.export_saved()
         if stop:
             plan = index.plan_save()

@@ -1,0 +1,331 @@
+"""The disk tier's index layer (disk-tier plan §1-§3): its slab pool, write-behind, reads back
+into the host, and the eviction orders of both slab tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.index.harness import BLOCK, Harness, JournalReplay, make_index, toks
+from vllm_hpc.index import (
+    HostGeometry,
+    IndexConfig,
+    PrefixIndex,
+    Readiness,
+    Residency,
+    Snapshot,
+)
+from vllm_hpc.index.eviction_order import DISK_EVICTION, HOST_EVICTION, TierStep
+from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool, SlabUse
+from vllm_hpc.index.journal import BlockStored, SnapshotPublished
+from vllm_hpc.index.types import DiskSlabId, Medium
+
+SLAB = 4096
+GEOMETRY = HostGeometry(block_bytes=1000, image_bytes=4000)
+
+
+def tapped(h: Harness, seed: int, blocks: int = 2) -> tuple[list[int], Snapshot]:
+    """One request with a tap 7 tokens past ``blocks`` blocks, and one block below it that no
+    snapshot reaches (dead KV)."""
+    prompt = toks(seed, (blocks + 1) * BLOCK + 5)
+    (publication,) = h.run(prompt, taps=[blocks * BLOCK + 7])
+    assert publication is not None
+    return prompt, publication.snapshot
+
+
+def to_disk(h: Harness) -> None:
+    for write in h.index.plan_disk_writes(1 << 30):
+        h.index.complete_disk_write(write)
+    h.check()
+
+
+def off_device(h: Harness, snapshot: Snapshot) -> None:
+    """Push every cached page and the snapshot's slot off the device."""
+    index = h.index
+    grabbed = index.allocate_pages(index.available_pages)
+    assert grabbed is not None
+    index.free_pages(grabbed)
+    if snapshot.slot is not None:
+        index.store.drop_snapshot_image_device(snapshot)
+    h.check()
+
+
+def disk_only(h: Harness, snapshot: Snapshot) -> None:
+    off_device(h, snapshot)
+    store = h.index.store
+    assert store.make_host_room(store.slabs.capacity)
+    h.check()
+    assert snapshot.media == {Medium.DISK}
+
+
+# -- the pools ------------------------------------------------------------------------------
+
+
+def test_host_and_disk_share_one_allocator_and_only_the_host_has_chunks() -> None:
+    host, disk = HostSlabPool(10 * SLAB, GEOMETRY), DiskSlabPool(10 * SLAB, GEOMETRY)
+    assert isinstance(host, SlabPool) and isinstance(disk, SlabPool)
+    assert host.chunk_slabs == (10,) and not hasattr(disk, "chunk_slabs")
+    taken = disk.allocate(3, SlabUse.IMAGE)
+    assert taken == [DiskSlabId(0), DiskSlabId(1), DiskSlabId(2)]
+    assert disk.num_in_use(SlabUse.IMAGE) == 3 and disk.num_free == 7
+    disk.free(taken)
+    assert disk.num_free == 10 and not DiskSlabPool(0, GEOMETRY).enabled
+
+
+def test_the_disk_budget_is_checked_naming_its_field() -> None:
+    with pytest.raises(ValueError, match=r"IndexConfig\.disk_budget_bytes .* use 0"):
+        DiskSlabPool(2 * SLAB, GEOMETRY)  # one snapshot with its tail plus a block is 3 slabs
+    with pytest.raises(ValueError, match=r"IndexConfig\.disk_budget_bytes must not be negative"):
+        DiskSlabPool(-1, GEOMETRY)
+    with pytest.raises(ValueError, match=r"IndexConfig\.disk_budget_bytes needs a host tier"):
+        IndexConfig(device_pages=8, geometry=GEOMETRY, disk_budget_bytes=10 * SLAB)
+    config = IndexConfig(device_pages=8, geometry=GEOMETRY, host_budget_bytes=10 * SLAB)
+    assert config.disk_budget_bytes == 0 and not PrefixIndex(config).store.disk_slabs.enabled
+
+
+def test_the_orders_are_stated_once() -> None:
+    assert (TierStep.BACKED, *DISK_EVICTION) == HOST_EVICTION
+    assert DISK_EVICTION == (TierStep.DEAD_KV, TierStep.SUPERSEDED, TierStep.VALUE)
+
+
+# -- write-behind ---------------------------------------------------------------------------
+
+
+def test_a_write_takes_the_snapshot_and_its_path_but_never_dead_kv() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20, record_events=True))
+    replay = JournalReplay()
+    _, snapshot = tapped(h, 1)
+    replay.check(h.index)
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    path = snapshot.anchor.path()
+    assert [copy.node for copy in write.blocks] == path  # the third block has no snapshot below
+    assert write.image_slabs == snapshot.image_slabs and write.tail is not None
+    assert snapshot.image_disk is Residency.FILLING and all(
+        n.disk is Residency.FILLING for n in path
+    )
+    h.check()
+    assert h.index.plan_disk_writes(1 << 30) == []  # in flight already
+    h.index.complete_disk_write(write)
+    h.check()
+    assert Medium.DISK in snapshot.media and all(Medium.DISK in n.media for n in path)
+    dead = snapshot.anchor.child_list()[0]
+    assert dead.disk is Residency.ABSENT and dead.disk_slab is None
+    events = h.index.drain_events()
+    disk_blocks = [e.node for e in events if isinstance(e, BlockStored)]
+    assert disk_blocks == path and all(e.medium is Medium.DISK for e in events)
+    assert [type(e) for e in events][-1] is SnapshotPublished
+    replay.apply(events)
+    replay.check(h.index)
+    assert h.index.stats.disk_writes == 1
+
+
+def test_writes_go_most_valuable_first_within_the_byte_bound() -> None:
+    h = Harness(make_index(host_slabs=30, disk_slabs=30))
+    _, low = tapped(h, 1, blocks=1)
+    _, high = tapped(h, 2, blocks=3)
+    h.index.store.touch(high, hit=True)
+    assert high.priority > low.priority
+    # The high one needs 3 blocks, an image and a tail: 5 slabs; the low one 3.
+    (first,) = h.index.plan_disk_writes(5 * SLAB)
+    assert first.snapshot is high
+    (second,) = h.index.plan_disk_writes(3 * SLAB)
+    assert second.snapshot is low
+    h.check()
+
+
+def test_a_disk_write_pins_host_copies_but_no_device_page() -> None:
+    h = Harness(make_index(pages=16, host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 3)
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    store = h.index.store
+    path = snapshot.anchor.path()
+    assert all(n.restore_pins == 0 and n.disk_pins == 1 and n in store.lru for n in path)
+    assert snapshot in store.lru and snapshot.restore_pins == 0
+    off_device(h, snapshot)  # the device may drop everything meanwhile
+    assert all(n.device is Residency.ABSENT for n in path)
+    assert not store.make_host_room(store.slabs.capacity)  # the host copies stay
+    assert snapshot.image_host is Residency.RESIDENT
+    h.index.complete_disk_write(write)
+    h.check()
+
+
+def test_a_failed_write_frees_its_disk_slabs() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 4)
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    h.index.fail_disk_write(write)
+    h.check()
+    store = h.index.store
+    assert store.disk_slabs.num_free == 20 and not snapshot.holds_disk
+    assert all(n.disk is Residency.ABSENT and n.disk_pins == 0 for n in snapshot.anchor.path())
+    assert h.index.stats.disk_writes_failed == 1
+    (again,) = h.index.plan_disk_writes(1 << 30)  # queued again
+    h.index.complete_disk_write(again)
+    h.check()
+
+
+def test_no_disk_tier_writes_nothing() -> None:
+    h = Harness(make_index(host_slabs=20))
+    tapped(h, 5)
+    assert h.index.plan_disk_writes(1 << 30) == []
+    with pytest.raises(ValueError, match="max_bytes"):
+        h.index.plan_disk_writes(-1)
+
+
+# -- host eviction: backed copies first ---------------------------------------------------
+
+
+def test_host_copies_on_disk_are_evicted_first_and_nothing_is_lost() -> None:
+    # Host: 3 blocks + image + tail = 5 of 7 slabs; disk holds the snapshot and its path.
+    h = Harness(make_index(host_slabs=7, disk_slabs=20))
+    prompt, snapshot = tapped(h, 6)
+    to_disk(h)
+    store = h.index.store
+    assert set(store.host.backed) == {*snapshot.anchor.path(), snapshot}
+    h.run(toks(7, 3 * BLOCK))  # its write needs 3 slabs, 2 are free: one backed copy goes
+    stats = h.index.stats
+    assert stats.host_backed_evicted >= 1 and stats.host_dead_reclaimed == 0
+    assert stats.host_gdsf_evicted == 0 and snapshot in store.snapshots
+    assert store.value.inflation == 0.0
+    disk_only(h, snapshot)
+    assert snapshot in store.snapshots  # it lives on disk alone
+    match = h.index.match(h.index.prepare_prompt([*prompt[: 2 * BLOCK + 7], 1]))
+    assert match.candidates == [snapshot]
+
+
+# -- reads back into the host ---------------------------------------------------------------
+
+
+def test_a_disk_only_snapshot_is_read_back_then_restored_from_the_host() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    prompt, snapshot = tapped(h, 8)
+    to_disk(h)
+    disk_only(h, snapshot)
+    index = h.index
+    resume = [*prompt[: 2 * BLOCK + 7], 1, 2]
+    match = index.match(index.prepare_prompt(resume))
+    quote = index.quote(match, lambda f: 1)
+    assert quote.readiness is Readiness.READY and quote.source is not None
+    assert quote.source.snapshot is None  # the disk needs a read first
+    read = index.plan_disk_read(snapshot)
+    assert read is not None
+    assert [c.node for c in read.blocks] == snapshot.anchor.path()
+    assert len(read.image_slabs) == 1 and read.tail is not None
+    assert read.image_disk_slabs == snapshot.image_disk_slabs
+    assert index.plan_disk_read(snapshot) is None  # landing already
+    h.check()
+    index.complete_disk_read(read)
+    h.check()
+    assert snapshot.media == {Medium.HOST, Medium.DISK}
+    admission = h.admit(resume)
+    assert admission.source is snapshot and index.stats.hits_host == 1
+    assert index.stats.disk_reads == 1
+
+
+def test_a_read_takes_only_what_is_on_disk_alone() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 9)
+    to_disk(h)
+    assert h.index.plan_disk_read(snapshot) is None  # all of it is on the host too
+    store = h.index.store
+    first = snapshot.anchor.path()[0]
+    store.drop_snapshot_host(snapshot)  # the image stays in its slot, the tail on the device
+    h.check()
+    assert h.index.plan_disk_read(snapshot) is None
+    store.drop_snapshot_tail_device(snapshot)
+    read = h.index.plan_disk_read(snapshot)
+    assert read is not None and read.blocks == () and read.image_slabs == ()
+    assert read.tail is not None and first.host is Residency.RESIDENT
+    h.index.complete_disk_read(read)
+    h.check()
+    assert snapshot.tail_host is Residency.RESIDENT and snapshot.image_host is Residency.ABSENT
+
+
+def test_a_failed_read_frees_its_host_slabs_and_keeps_the_disk_copy() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 10)
+    to_disk(h)
+    disk_only(h, snapshot)
+    free = h.index.store.slabs.num_free
+    read = h.index.plan_disk_read(snapshot)
+    assert read is not None
+    h.index.fail_disk_read(read)
+    h.check()
+    assert h.index.store.slabs.num_free == free and snapshot.media == {Medium.DISK}
+    assert h.index.stats.disk_reads_failed == 1
+    with pytest.raises(ValueError, match="unknown or already completed"):
+        h.index.complete_disk_read(read)
+
+
+def test_a_read_refuses_a_path_only_the_device_holds() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 11)
+    to_disk(h)
+    h.index.store.drop_snapshot_host(snapshot)
+    h.index.store.drop_snapshot_image_device(snapshot)
+    store = h.index.store
+    first = snapshot.anchor.path()[0]
+    store.drop_node_disk(first)
+    store.drop_node_host(first)  # the device alone holds it, and may drop it during a read
+    h.check()
+    assert first.media == {Medium.DEVICE} and h.index.plan_disk_read(snapshot) is None
+
+
+# -- disk eviction ----------------------------------------------------------------------------
+
+
+def test_disk_evicts_dead_kv_then_superseded_then_by_its_own_value() -> None:
+    h = Harness(make_index(host_slabs=40, disk_slabs=12))
+    prompt = toks(12, 3 * BLOCK + 5)
+    old, new = h.run(prompt, taps=[BLOCK, 3 * BLOCK])  # the second supersedes the first
+    assert old is not None and new is not None and old.snapshot.superseded
+    _, other = tapped(h, 13, blocks=1)  # 1 block, image and tail: 3 slabs
+    to_disk(h)  # the retained ones: 3 blocks + image, then 3 slabs
+    store = h.index.store
+    assert store.disk_slabs.num_free == 12 - 7 and not old.snapshot.holds_disk
+    # A dead block on disk: the new snapshot goes, and its exclusive path is dead KV.
+    _, big = tapped(h, 14, blocks=5)
+    store.touch(big, hit=True)
+    store.touch(big, hit=True)
+    (write,) = h.index.plan_disk_writes(1 << 30)  # needs 5 blocks + image + tail = 7 slabs
+    h.index.complete_disk_write(write)
+    h.check()
+    stats = h.index.stats
+    assert stats.disk_gdsf_evicted >= 1 and store.value.disk_inflation > 0.0
+    assert store.value.inflation == 0.0  # the host's L is its own
+    assert not (new.snapshot.holds_disk and other.holds_disk)
+    assert big.holds_disk
+
+
+def test_superseded_snapshots_leave_the_disk_first() -> None:
+    h = Harness(make_index(host_slabs=40, disk_slabs=8))
+    prompt = toks(15, 3 * BLOCK + 5)
+    (old,) = h.run(prompt, taps=[BLOCK + 3])
+    assert old is not None
+    to_disk(h)  # 1 block + image + tail
+    store = h.index.store
+    store.set_superseded(old.snapshot, True)
+    _, fresh = tapped(h, 16, blocks=5)  # 5 blocks + image + tail = 7 slabs: needs 2 more
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    h.index.complete_disk_write(write)
+    h.check()
+    stats = h.index.stats
+    assert stats.disk_superseded_evicted == 1 and stats.disk_gdsf_evicted == 0
+    assert stats.disk_dead_reclaimed == 0  # its block stays: the snapshot lives on the host
+    assert old.snapshot in store.snapshots and not old.snapshot.holds_disk
+    assert store.value.disk_inflation == 0.0 and fresh.holds_disk
+
+
+def test_dead_disk_kv_goes_before_any_snapshot() -> None:
+    h = Harness(make_index(host_slabs=40, disk_slabs=10))
+    _, gone = tapped(h, 17)
+    _, kept = tapped(h, 18)
+    to_disk(h)  # 2 x (2 blocks + image + tail) = 8 of 10 slabs
+    store = h.index.store
+    store.delete_snapshot(gone)  # its path on disk reaches no snapshot now
+    h.check()
+    assert set(store.disk.dead) == set(gone.anchor.path())
+    assert store.disk_slabs.num_free == 4  # its image and tail went with it
+    assert store.make_disk_room(6)
+    h.check()
+    assert h.index.stats.disk_dead_reclaimed == 2 and h.index.stats.disk_gdsf_evicted == 0
+    assert kept.holds_disk and not store.disk.dead

@@ -589,9 +589,10 @@ def bench_engine(
             results[name] = burst(llm, args, vocab, name.removeprefix("burst "))
     measured = {"workloads": results, "bench_s": time.monotonic() - t}
     if e["config"] == HYBRID:  # calls that held the engine thread (each one is logged too)
-        from vllm_hpc.glue.worker.connector_worker import slow_host_calls
+        from vllm_hpc.glue.worker.connector_worker import slow_host_calls, slow_write_issues
 
         measured["slow_host_calls"] = max(llm.collective_rpc(slow_host_calls))
+        measured["slow_write_issues"] = max(llm.collective_rpc(slow_write_issues))
     if args.profile_steps and e["max_num_seqs"] == parse_burst(args.burst[0])[1]:
         measured["profile"] = step_profile(llm, args, vocab, e, out)
     return measured
@@ -1085,6 +1086,12 @@ def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"  - host-tier calls that held the engine thread {SLOW_CALL_SECONDS * 1000:.0f} "
                 f"ms or more (the engine log names each): {slow}"
+            )
+        issues = e.get("result", {}).get("slow_write_issues")
+        if issues is not None:
+            lines.append(
+                f"  - write batches whose issue took {SLOW_CALL_SECONDS * 1000:.0f} ms or more "
+                f"on the write issuer's thread, beside the engine thread: {issues}"
             )
         if e.get("facts"):
             lines.append(f"  - settings: `{json.dumps(e['facts'])}`")

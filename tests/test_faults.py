@@ -25,6 +25,7 @@ from engine_support import (
 )
 
 from vllm_hpc import faults
+from vllm_hpc.glue.worker.connector_worker import issued_copies, steps_beside_write_issue
 
 pytestmark = pytest.mark.engine
 
@@ -96,6 +97,37 @@ def _steps(llm: Any, count: int) -> None:
     """Engine steps that write nothing (prompts shorter than a block): earlier batches land."""
     for seed in range(count):
         greedy(llm, [random_prompt(seed=900 + seed, length=30)], 1)
+
+
+def test_a_slow_write_issue_holds_back_no_engine_step(
+    cold: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`host_issue_slow`: issuing every write-through batch takes its thread half a second, as
+    when the copies fill the driver's launch queue behind a long forward pass (#48). The engine
+    thread hands the batches over and goes on stepping, as the worker's own step records show;
+    the written prompt then comes back from the host exactly."""
+    monkeypatch.setattr(faults, "_ARMED", frozenset({"host_issue_slow"}))
+    with small_pool_llm(RESUME_PATHS) as llm:
+        cache = cache_of(llm)
+        written = random_prompt(seed=70, length=1500)
+        assert_same_up_to_near_tie(greedy(llm, [written], 8)[0], cold, written, 8)
+        assert cache.pipeline.writes_in_flight()
+        _steps(llm, 4)  # steps bound while the first batches are still being issued
+        beside = llm.collective_rpc(steps_beside_write_issue)
+        assert min(beside) > 0, beside
+        for _ in range(200):  # every batch issued and landed: short steps report them
+            if not cache.pipeline.writes_in_flight():
+                break
+            _steps(llm, 1)
+        assert not cache.pipeline.writes_in_flight()
+        restored = llm.collective_rpc(issued_copies)[0]["host_restore"]
+        for seed in range(72, 76):  # device pressure: the written prompt's device copies go
+            greedy(llm, [random_prompt(seed=seed, length=1500)], 4)
+        out = greedy(llm, [written], 8)[0]
+        assert llm.collective_rpc(issued_copies)[0]["host_restore"] > restored
+        assert out.num_cached_tokens > 0
+        assert_same_up_to_near_tie(out, cold, written, 8)
+        settle_and_audit(llm)
 
 
 def test_slow_host_copies_in_flight_at_a_cancel_a_reset_and_under_pressure(

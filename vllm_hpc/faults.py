@@ -15,6 +15,9 @@ Each point is documented where it fires; tests arm them in the processes they st
   after it was issued, and on CUDA every host copy stream first sleeps `SLOW_COPY_CYCLES`, so a
   write, restore or prefetch is still in flight when a cancellation, an eviction or a reset
   lands;
+- `host_issue_slow`: issuing every write-through batch first sleeps `SLOW_ISSUE_SECONDS` on the
+  write issuer's thread, as when its copies fill the driver's launch queue behind a long
+  forward pass (#48): the engine thread must go on stepping meanwhile;
 - `save_slow`: every slab the prefix cache file saves first sleeps `SLOW_SAVE_SECONDS`, so a
   second stop signal or a kill lands in the middle of a save.
 """
@@ -28,6 +31,7 @@ SLOW_COPY_STEPS = 8
 SLOW_COPY_CYCLES = 100_000_000
 """GPU clock cycles `torch.cuda._sleep` spins: about 50 ms at 2 GHz."""
 SLOW_SAVE_SECONDS = 0.01
+SLOW_ISSUE_SECONDS = 0.5
 _ARMED = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
 
 

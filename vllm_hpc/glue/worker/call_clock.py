@@ -24,8 +24,12 @@ SLOW_CALL_SECONDS = 0.05
 class HostCallClock:
     """Totals and the longest call since the last read; slow calls are logged as they end."""
 
-    def __init__(self, slow_seconds: float = SLOW_CALL_SECONDS) -> None:
+    def __init__(
+        self, slow_seconds: float = SLOW_CALL_SECONDS, thread: str = "the engine thread"
+    ) -> None:
         self.slow_seconds = slow_seconds
+        self.thread = thread
+        """Where the timed calls run, for the log."""
         self.seconds = 0.0
         """Every timed call's wall seconds since the last read."""
         self.longest = 0.0
@@ -48,7 +52,8 @@ class HostCallClock:
         if seconds >= self.slow_seconds:
             self.slow_calls += 1
             logger.warning(
-                "hybrid-prefix: the engine thread spent %.0f ms in the host tier's %s%s",
+                "hybrid-prefix: %s spent %.0f ms in the host tier's %s%s",
+                self.thread,
                 seconds * 1000,
                 call,
                 f" ({what})" if what else "",

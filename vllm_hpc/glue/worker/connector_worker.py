@@ -20,11 +20,12 @@ from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLand
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.stop_signals import defer_first_stop_signal
 from vllm_hpc.glue.worker.call_clock import HostCallClock
-from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid, TransferHandle
+from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
 from vllm_hpc.glue.worker.preload import Preload, tensor_parallel_rank
 from vllm_hpc.glue.worker.transfer_meter import TransferMeter
+from vllm_hpc.glue.worker.write_issuer import PendingWrite, WriteIssuer
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -55,7 +56,8 @@ class _WritesDue:
     for the step before, fill the driver's launch queue: issued before the forward pass, the
     pass's kernels would queue behind them, and the GPU would sit idle between prefill steps
     until the copies were all submitted. vLLM starts its own connectors' asynchronous loads
-    after the forward launch for the same reason."""
+    after the forward launch for the same reason. They are issued by the `WriteIssuer`'s
+    thread, which is the one to wait when they fill the launch queue."""
 
     writes: list[HostWrite]
     ready: torch.cuda.Event | None
@@ -64,7 +66,7 @@ class _WritesDue:
 @dataclass(frozen=True, slots=True)
 class _WriteInFlight:
     batch: int
-    handle: TransferHandle
+    handle: PendingWrite
     step: int
     """The worker step that issued it (the `host_slow` fault holds its report back)."""
 
@@ -93,9 +95,13 @@ class ConnectorWorker:
         """The host tier's calls on the engine thread, timed on the wall clock."""
         self._pool: Any = None
         self._arena: HostArena | None = None
+        self._issuer: WriteIssuer | None = None
         self._due: _WritesDue | None = None
         self._writing: list[_WriteInFlight] = []
         self._steps = 0
+        self.steps_beside_issue = 0
+        """Steps bound while a write batch handed over earlier was still being issued: the
+        engine thread went on instead of waiting for the issue (#48)."""
         self._restores: list[RestoreHandle] = []
         self._prefetches: list[RestoreHandle] = []
         self.issued: Counter[str] = Counter()
@@ -152,6 +158,7 @@ class ConnectorWorker:
         )
         started = time.perf_counter()
         self._arena = HostArena(layout, grid)
+        self._issuer = WriteIssuer(self._arena)
         logger.info(
             "hybrid-prefix host tier ready in %.1f s%s",
             time.perf_counter() - started,
@@ -168,6 +175,8 @@ class ConnectorWorker:
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)
         self._steps += 1
+        if any(not w.handle.issued() for w in self._writing):
+            self.steps_beside_issue += 1
         # Later kernels must not overtake the previous step's restores, wherever they read.
         with self.clock.timed("restore wait"):
             for handle in [*self._restores, *self._prefetches]:
@@ -219,14 +228,16 @@ class ConnectorWorker:
         """Issue the bound step's write-through batches (`_WritesDue`): after its forward pass
         has been launched, or at the latest before the next step binds."""
         due, self._due = self._due, None
-        if due is None or self._arena is None:
+        if due is None or self._arena is None or self._issuer is None:
             return
         blocks = sum(len(write.blocks) for write in due.writes)
         images = sum(len(write.images) for write in due.writes)
         try:
-            with self.clock.timed("write issue", f"{blocks} blocks, {images} images"):
+            with self.clock.timed("write handover", f"{blocks} blocks, {images} images"):
                 for write in due.writes:
-                    written = self._arena.write(write.blocks, write.images, after=due.ready)
+                    ranges = self._arena.prepare_write(write.blocks, write.images)
+                    what = f"{len(write.blocks)} blocks, {len(write.images)} images"
+                    written = self._issuer.submit(ranges, due.ready, what)
                     self._writing.append(_WriteInFlight(write.batch, written, self._steps))
                     self.issued["host_write"] += 1
                     self.meter.track("write", written)
@@ -254,8 +265,13 @@ class ConnectorWorker:
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step."""
         held = SLOW_COPY_STEPS if armed("host_slow") else 0
-        with self.clock.timed("write check"):
-            landed = [w for w in self._writing if w.handle.done() and self._steps - w.step >= held]
+        try:
+            with self.clock.timed("write check"):
+                landed = [
+                    w for w in self._writing if w.handle.done() and self._steps - w.step >= held
+                ]
+        except Exception as error:  # the issuer thread's, raised by `done`
+            raise self._fail(_HOST_COPY, error) from error
         if not landed:
             return None
         self._writing = [w for w in self._writing if w not in landed]
@@ -304,3 +320,15 @@ def slow_host_calls(worker: Any) -> int:
     """This worker's host-tier calls that held the engine thread for `SLOW_CALL_SECONDS` or
     more (`HostCallClock.slow_calls`, through `collective_rpc`)."""
     return worker_connector().clock.slow_calls
+
+
+def steps_beside_write_issue(worker: Any) -> int:
+    """This worker's `ConnectorWorker.steps_beside_issue` (through `collective_rpc`)."""
+    return worker_connector().steps_beside_issue
+
+
+def slow_write_issues(worker: Any) -> int:
+    """This worker's write batches whose issue took `SLOW_CALL_SECONDS` or more on the write
+    issuer's thread, beside the engine thread (through `collective_rpc`; 0 without a host tier)."""
+    issuer = worker_connector()._issuer
+    return issuer.clock.slow_calls if issuer is not None else 0

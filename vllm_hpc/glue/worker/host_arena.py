@@ -282,12 +282,28 @@ class HostArena:
     ) -> TransferHandle:
         """Write-through, device -> host, in one batch (a snapshot's tail page is one of the
         ``blocks``), behind ``after`` (a `mark`) or else behind all the compute stream's queued
-        work. Fault point `host_write`: the batch fails before any copy is issued."""
+        work: `prepare_write`, then `issue_write` on this thread."""
+        return self.issue_write(self.prepare_write(blocks, images), after)
+
+    def prepare_write(
+        self, blocks: Sequence[PageSlab] = (), images: Sequence[ImageCopy] = ()
+    ) -> CopyRanges:
+        """A write-through batch's ranges, counted in the stats; the caller's thread does this
+        and `issue_write` may run on another. Fault point `host_write`: the batch fails here,
+        before any copy is issued."""
         if armed("host_write"):
             raise InjectedFault("injected write-through failure")
         ranges = self.plan_write(blocks, images)
         self.stats.write_batches += 1
         self.stats.bytes_written += ranges.total_bytes
+        self.stats.copies += len(ranges)
+        return ranges
+
+    def issue_write(
+        self, ranges: CopyRanges, after: torch.cuda.Event | None = None
+    ) -> TransferHandle:
+        """Issue a prepared write batch on the write-through stream. Safe on any one thread
+        beside the engine's: it reads only the arena's fixed layout and touches no stats."""
         _, timing = self._issue([_Step(None, ranges)], 0, to_host=True, after=after)
         return TransferHandle(ranges.total_bytes, timing, self.layout.device)
 
@@ -319,6 +335,7 @@ class HostArena:
         nbytes = sum(step.ranges.total_bytes for step in steps)
         self.stats.restore_batches += 1
         self.stats.bytes_restored += nbytes
+        self.stats.copies += sum(len(step.ranges) for step in steps)
         events, timing = self._issue(steps, 1, to_host=False)
         device = self.layout.device
         if not events:
@@ -355,7 +372,6 @@ class HostArena:
     ) -> tuple[list[torch.cuda.Event], CopyTiming]:
         """Run the steps in order; on CUDA, on the chosen stream behind ``after`` or the
         compute stream's queued work, with an event after each step."""
-        self.stats.copies += sum(len(step.ranges) for step in steps)
         if self._cuda is None or self._streams is None:
             started = time.perf_counter()
             for step in steps:

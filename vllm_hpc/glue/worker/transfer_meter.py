@@ -3,27 +3,40 @@ vLLM carries to the front end (`vllm_hpc.glue.metrics`)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from vllm_hpc.glue.metrics import HybridPrefixStats
-from vllm_hpc.glue.worker.host_arena import TransferHandle
+from vllm_hpc.glue.worker.host_arena import CopyTiming
+
+
+class CopyBatch(Protocol):
+    """A batch in flight: a `TransferHandle`, or a `PendingWrite` the issuer thread holds."""
+
+    nbytes: int
+
+    @property
+    def timing(self) -> CopyTiming: ...
+
+    def done(self) -> bool: ...
 
 
 class TransferMeter:
     """Worker side: the host tier's copy batches that have landed, as seconds and bandwidth."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[str, TransferHandle]] = []
+        self._pending: list[tuple[str, CopyBatch]] = []
         self.totals: dict[str, tuple[int, float]] = {"write": (0, 0.0), "restore": (0, 0.0)}
         """Bytes and seconds of every batch read so far, by kind (benchmarks read these)."""
 
-    def track(self, kind: str, handle: TransferHandle) -> None:
+    def track(self, kind: str, handle: CopyBatch) -> None:
         """``kind``: "write" or "restore" (prefetches are restores)."""
         if handle.nbytes:
             self._pending.append((kind, handle))
 
     def read(self) -> HybridPrefixStats | None:
         """The batches that landed since the last read, or None if none did."""
-        landed: list[tuple[str, TransferHandle]] = []
-        waiting: list[tuple[str, TransferHandle]] = []
+        landed: list[tuple[str, CopyBatch]] = []
+        waiting: list[tuple[str, CopyBatch]] = []
         for entry in self._pending:
             (landed if entry[1].done() else waiting).append(entry)
         self._pending = waiting

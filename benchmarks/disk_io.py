@@ -15,7 +15,9 @@ measures, for each record size, order (random, sequential) and number in flight:
   optional ``uring_api`` package imports.
 
 Writes end with ``fdatasync``, inside the timing. Buffers are anonymous mmaps (page-aligned,
-as pinned host memory is); the rest is the standard library, so any Python 3.11+ runs it:
+as pinned host memory is). The page-aligned buffers and the O_DIRECT probe are the disk tier's
+own (`vllm_hpc/glue/worker/disk_store.py`, which imports no torch); the rest is the standard
+library, so any Python 3.11+ runs it from a checkout:
 
     python benchmarks/disk_io.py --file-gib 2 --record-kib 16 256 4096 --in-flight 1 4 16 \\
         --seconds 3 --json disk_io.json
@@ -45,9 +47,12 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_hpc.glue.worker.disk_store import ALIGN, aligned_buffer, direct_refusal
+
 MIB = 1 << 20
 GIB = 1 << 30
-ALIGN = 4096
 SEQ_CHUNK = 8 * MIB
 ORDERS = ("random", "sequential")
 PATHS = ("buffered", "direct", "io_uring")
@@ -135,7 +140,7 @@ def fs_info(directory: Path) -> FsInfo:
 
 def page_buffer(size: int, fill: bool) -> mmap.mmap:
     """Page-aligned anonymous memory, random bytes if ``fill`` (so writes carry no zeros)."""
-    buf = mmap.mmap(-1, size)
+    buf = aligned_buffer(size)
     if fill:
         buf.write(os.urandom(size))
     return buf
@@ -153,19 +158,6 @@ def load_uring() -> tuple[Any, str]:
         return None, f"not measured: io_uring_setup failed ({exc})"
     version = metadata.version("uring-api")
     return uring_api, f"uring_api {version} (liburing {uring_api.__liburing_version__})"
-
-
-def direct_refusal(path: Path) -> str | None:
-    """Why the filesystem refuses an O_DIRECT write of one 8 MiB chunk at ``path``, or None."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
-        try:
-            os.pwritev(fd, [page_buffer(SEQ_CHUNK, fill=False)], 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, '?')})"
-    return None
 
 
 def fill_file(path: Path, size: int, direct: bool) -> float:
@@ -415,7 +407,7 @@ def main() -> None:
     path = workdir / "slabs.bin"
     fds: list[int] = []
     try:
-        refused = direct_refusal(path)
+        refused = direct_refusal(path, SEQ_CHUNK)
         fill_mib_s = fill_file(path, size, refused is None)
         fds.append(os.open(path, os.O_RDWR))
         if refused is None:

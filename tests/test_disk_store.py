@@ -294,6 +294,7 @@ def test_a_full_store_refuses_a_batch_without_blocking_and_close_drains(
     open_store: Callable[..., DiskStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_slow"}))
+    monkeypatch.setattr(disk_store, "SLOW_DISK_SECONDS", 0.3)  # long enough on a busy machine
     store = open_store(depth=1, max_batches=2)
     source = Host(4)
     source.fill(9)

@@ -335,3 +335,8 @@ def test_a_failed_chunk_allocation_names_the_option_and_releases_the_others(
         cpu_arena(capacity=40, slabs_per_chunk=16)
     gc.collect()
     assert released == [1]
+
+
+def test_host_slabs_start_on_a_page_for_the_disk_tiers_o_direct() -> None:
+    arena = cpu_arena()
+    assert all(arena.slab(slab).data_ptr() % 4096 == 0 for slab in range(arena.grid.capacity))

@@ -38,6 +38,7 @@ from vllm_hpc.glue.worker.copy_ranges import CopyRanges, RangePlanner, Records
 from vllm_hpc.glue.worker.cudart import CudaRuntime
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.index import HostGeometry, HostSlabPool
+from vllm_hpc.index.host_pool import SLAB_ALIGN_BYTES
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -210,7 +211,7 @@ class HostArena:
         try:
             if armed(f"host_alloc:{index}"):
                 raise InjectedFault("injected allocation failure")
-            chunk = torch.empty(nbytes, dtype=torch.uint8)
+            chunk = _page_aligned(nbytes)
             if self._cuda is not None:
                 self._cuda.host_register(chunk.data_ptr(), nbytes)
         except RuntimeError as error:
@@ -408,6 +409,15 @@ class HostArena:
             return
         for dst, src, nbytes in zip(*ranges.as_lists(), strict=True):
             self._cuda.memcpy_async(dst, src, nbytes, stream.cuda_stream)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page: the disk tier reads and writes slabs with
+    O_DIRECT, which needs aligned buffers, and torch's large allocations start 64 bytes past
+    a page."""
+    raw = torch.empty(nbytes + SLAB_ALIGN_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % SLAB_ALIGN_BYTES
+    return raw[skip : skip + nbytes]
 
 
 def _unregister(runtime: CudaRuntime | None, chunks: list[torch.Tensor]) -> None:

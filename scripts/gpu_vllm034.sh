@@ -13,8 +13,9 @@
 #                                                     each of vLLM's defaults, native-best and
 #                                                     hybrid-prefix: the replay (mix, branching,
 #                                                     agent loop) into DIR/replay, or load.py into
-#                                                     DIR/load; from a copy of the tree (start it
-#                                                     detached with scripts/gpu_jobs.sh)
+#                                                     DIR/load ($CONFIGS: fewer of them); from a
+#                                                     copy of the tree (start it detached with
+#                                                     scripts/gpu_jobs.sh)
 set -euo pipefail
 bash scripts/unpack_vllm034.sh env >/dev/null
 source .gpu034/env.sh
@@ -42,8 +43,8 @@ case "${1:-}" in
     mkdir -p "$3/$2"
     case "$2" in
       replay) OUT="$3/replay" WORKLOADS="mix,branching,agent loop" \
-        bash "$0" replay native,native-best,hybrid-prefix-host ;;
-      load) OUT="$3/load" bash "$0" load native,native-best,hybrid-prefix ;;
+        bash "$0" replay "${CONFIGS:-native,native-best,hybrid-prefix-host}" ;;
+      load) OUT="$3/load" bash "$0" load "${CONFIGS:-native,native-best,hybrid-prefix}" ;;
       *) echo "measure replay|load DIR" >&2; exit 2 ;;
     esac ;;
   *)

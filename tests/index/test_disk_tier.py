@@ -17,7 +17,7 @@ from vllm_hpc.index import (
 from vllm_hpc.index.eviction_order import DISK_EVICTION, HOST_EVICTION, TierStep
 from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool, SlabUse
 from vllm_hpc.index.journal import BlockStored, SnapshotPublished
-from vllm_hpc.index.types import DiskSlabId, Medium
+from vllm_hpc.index.types import DiskSlabId, Medium, SnapshotKind
 
 SLAB = 4096
 GEOMETRY = HostGeometry(block_bytes=1000, image_bytes=4000)
@@ -329,3 +329,78 @@ def test_dead_disk_kv_goes_before_any_snapshot() -> None:
     h.check()
     assert h.index.stats.disk_dead_reclaimed == 2 and h.index.stats.disk_gdsf_evicted == 0
     assert kept.holds_disk and not store.disk.dead
+
+
+# -- rebuilt from the journal at start-up ----------------------------------------------------
+
+
+def test_journaled_entries_come_back_disk_only_and_pass_the_audit() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    prompt, snapshot = tapped(h, 30)
+    to_disk(h)
+    path = snapshot.anchor.path()
+    fresh = Harness(make_index(host_slabs=20, disk_slabs=20))
+    index = fresh.index
+    parent = None
+    for node in path:
+        assert node.disk_slab is not None
+        parent = index.load_disk_block(parent, node.tokens, node.extra, node.disk_slab)
+    assert snapshot.tail_disk_slab is not None
+    loaded = index.load_disk_snapshot(
+        parent,
+        kind=snapshot.kind,
+        tail=snapshot.tail,
+        image_slabs=snapshot.image_disk_slabs,
+        tail_slab=snapshot.tail_disk_slab,
+        hits=3,
+    )
+    fresh.check()
+    assert loaded.media == {Medium.DISK} and loaded.hits == 3
+    assert all(node.media == {Medium.DISK} for node in loaded.anchor.path())
+    assert index.store.disk_slabs.num_free == 20 - len(path) - 2
+    quote = index.quote(
+        index.match(index.prepare_prompt([*prompt[: 2 * BLOCK + 7], 1])), lambda f: 1
+    )
+    assert quote.source is not None and quote.source.snapshot is None  # reads are step 4
+    assert index.plan_disk_read(loaded) is not None  # what step 4 will do with it
+
+
+def test_a_journaled_entry_that_does_not_fit_is_refused_unchanged() -> None:
+    index = make_index(host_slabs=20, disk_slabs=20)
+    block = bytes(4 * BLOCK)
+    node = index.load_disk_block(None, block, 0, DiskSlabId(3), cache_salt="a")
+    with pytest.raises(ValueError, match="in the index already"):
+        index.load_disk_block(None, block, 0, DiskSlabId(4), cache_salt="a")
+    with pytest.raises(ValueError, match="not free"):
+        index.load_disk_block(node, block, 0, DiskSlabId(3))
+    with pytest.raises(ValueError, match="tail"):
+        index.load_disk_snapshot(
+            node,
+            kind=SnapshotKind.ENDPOINT,
+            tail=b"",
+            image_slabs=[DiskSlabId(5)],
+            tail_slab=DiskSlabId(6),
+            hits=0,
+        )
+    with pytest.raises(ValueError, match="not free"):
+        index.load_disk_snapshot(
+            None,
+            kind=SnapshotKind.ENDPOINT,
+            tail=bytes(8),
+            image_slabs=[DiskSlabId(5)],
+            tail_slab=DiskSlabId(3),
+            hits=0,
+            cache_salt="b",
+        )
+    assert index.store.tree.root("b") is None  # no idle root left behind
+    assert index.store.disk_slabs.num_free == 19
+    index.check_invariants()
+
+
+def test_the_disk_pool_lists_the_slabs_it_freed() -> None:
+    pool = DiskSlabPool(10 * SLAB, GEOMETRY)
+    taken = pool.allocate(3, SlabUse.NODE)
+    assert taken is not None
+    pool.free(taken[:2])
+    pool.free(taken[2:])
+    assert pool.take_freed() == taken and pool.take_freed() == []

@@ -178,3 +178,14 @@ class DiskSlabPool(SlabPool[DiskSlabId]):
             "use 0 to disable the disk tier",
         )
         super().__init__(capacity, geometry, DiskSlabId)
+        self._freed: list[DiskSlabId] = []
+
+    def free(self, slabs: tuple[DiskSlabId, ...] | list[DiskSlabId]) -> None:
+        super().free(slabs)
+        self._freed.extend(slabs)
+
+    def take_freed(self) -> list[DiskSlabId]:
+        """Slabs freed since the last call, in order: the disk tier's journal records the
+        entries that held them as dropped (a slab may be freed again after reuse)."""
+        freed, self._freed = self._freed, []
+        return freed

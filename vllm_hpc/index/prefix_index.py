@@ -60,6 +60,7 @@ from vllm_hpc.index.transfers import (
 from vllm_hpc.index.types import (
     BLOCK_BYTES_PACKED,
     BLOCK_TOKENS,
+    DiskSlabId,
     Medium,
     PageId,
     Residency,
@@ -673,6 +674,64 @@ class PrefixIndex:
             raise ValueError("a save loads only into an empty index")
         store.advance()
         return load_saved(store, saved)
+
+    def load_disk_block(
+        self,
+        parent: BlockNode | None,
+        tokens: bytes,
+        extra: int,
+        slab: DiskSlabId,
+        cache_salt: str | None = None,
+    ) -> BlockNode:
+        """Rebuild a journaled block disk-only (disk-tier plan §5) under ``parent``, a block
+        loaded before it, or None: the root of ``cache_salt``. Source choice passes disk-only
+        entries by until disk reads serve hits. ValueError, before any change, for a block that
+        exists, a slab that is taken or malformed tokens."""
+        store = self.store
+        if len(tokens) != BLOCK_BYTES_PACKED:
+            raise ValueError(f"a block holds {BLOCK_TOKENS} tokens, got {len(tokens) // 4}")
+        if parent is None:
+            parent = store.tree.root_for(cache_salt)
+        try:
+            if store.tree.child(parent, tokens, extra) is not None:
+                raise ValueError("the block is in the index already")
+            store.advance()
+            return store.add_disk_node(parent, tokens, extra, slab)
+        except ValueError:
+            if parent.is_root:
+                store.tree.discard_root_if_idle(parent)
+            raise
+
+    def load_disk_snapshot(
+        self,
+        anchor: BlockNode | None,
+        *,
+        kind: SnapshotKind,
+        tail: bytes,
+        image_slabs: Sequence[DiskSlabId],
+        tail_slab: DiskSlabId | None,
+        hits: int,
+        cache_salt: str | None = None,
+    ) -> Snapshot:
+        """Rebuild a journaled snapshot disk-only at ``anchor`` (a block loaded before it, or
+        None: the root of ``cache_salt``), as `load_disk_block`. ValueError, before any change,
+        for a snapshot that exists, a slab that is taken or a malformed image or tail."""
+        store = self.store
+        if len(image_slabs) != store.value.geometry.image_slabs:
+            raise ValueError(f"an image of {len(image_slabs)} slabs")
+        if len(tail) >= BLOCK_BYTES_PACKED or len(tail) % 4 or (tail_slab is None) != (not tail):
+            raise ValueError("a tail slab is required exactly when there are tail tokens")
+        if anchor is None:
+            anchor = store.tree.root_for(cache_salt)
+        try:
+            if store.snapshots.find(anchor, tail) is not None:
+                raise ValueError("the snapshot is in the index already")
+            store.advance()
+            return store.add_disk_snapshot(anchor, tail, kind, list(image_slabs), tail_slab, hits)
+        except ValueError:
+            if anchor.is_root:
+                store.tree.discard_root_if_idle(anchor)
+            raise
 
     @property
     def num_leases(self) -> int:

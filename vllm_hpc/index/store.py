@@ -29,7 +29,7 @@ from vllm_hpc.index.host_eviction import (
     TierEvictor,
     ValuedSnapshot,
 )
-from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool
+from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool, SlabUse
 from vllm_hpc.index.journal import Journal
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.snapshot_slots import DeviceSnapshotSlots, may_give_way
@@ -235,6 +235,17 @@ class CacheStore:
         self._resize_owner(node, Medium.DISK, 1)
         self.sync_node(node)
 
+    def add_disk_node(
+        self, parent: BlockNode, tokens: bytes, extra: int, slab: DiskSlabId
+    ) -> BlockNode:
+        """A journaled block comes back disk-only (disk-tier plan §5), under a parent already
+        rebuilt; ValueError, before any change, where its slab is taken."""
+        self.disk_slabs.take([slab], SlabUse.NODE)
+        node = self.tree.insert(parent, tokens, extra)
+        self.fill_disk(node, slab)
+        self.land_disk(node)
+        return node
+
     def land_disk(self, node: BlockNode) -> None:
         assert node.disk is Residency.FILLING
         node.disk = Residency.RESIDENT
@@ -421,6 +432,35 @@ class CacheStore:
         self._register(snapshot)
         self.fill_snapshot_host(snapshot, image, tail_slab)
         self.land_snapshot_host(snapshot)
+        return snapshot
+
+    def add_disk_snapshot(
+        self,
+        anchor: BlockNode,
+        tail: bytes,
+        kind: SnapshotKind,
+        image: list[DiskSlabId],
+        tail_slab: DiskSlabId | None,
+        hits: int,
+    ) -> Snapshot:
+        """A journaled snapshot comes back disk-only (disk-tier plan §5); ValueError, before
+        any change, where one of its slabs is taken."""
+        pool = self.disk_slabs
+        if tail_slab is not None and (
+            tail_slab in image
+            or not 0 <= tail_slab < pool.capacity
+            or pool.use(tail_slab) is not SlabUse.FREE
+        ):
+            raise ValueError(f"the tail's disk slab {tail_slab} is out of range or not free")
+        pool.take(image, SlabUse.IMAGE)
+        if tail_slab is not None:
+            pool.take([tail_slab], SlabUse.TAIL)
+        snapshot = Snapshot(
+            self.snapshots.new_id(), kind, anchor, tail, self.tick, last_hit=self.tick, hits=hits
+        )
+        self._register(snapshot)
+        self.fill_snapshot_disk(snapshot, image, tail_slab)
+        self.land_snapshot_disk(snapshot)
         return snapshot
 
     def _register(self, snapshot: Snapshot) -> None:

@@ -15,10 +15,12 @@ handling covers them; all with vLLM's `model_name` and `engine` labels):
 - `vllm:hpc_host_bytes{what="written"|"restored"}` and, measured by the workers,
   `vllm:hpc_host_transfer_seconds{what=...}`: their ratio over any window is the host tier's
   copy bandwidth;
+- `vllm:hpc_disk_bytes{what="written"}` (write-behind batches every worker made durable and
+  the journal recorded) and `vllm:hpc_disk_writes_failed`;
 - gauges `vllm:hpc_snapshots`, `vllm:hpc_snapshot_slots_used`, `vllm:hpc_active_slots_used`,
   `vllm:hpc_device_pages_free`, `vllm:hpc_device_pages_evictable`,
   `vllm:hpc_device_pages_state` (pages holding states: running requests', snapshots', the
-  scratch row), host bytes by kind, and
+  scratch row), host bytes by kind, `vllm:hpc_disk_bytes_{used,free}`, and
   `vllm:hpc_host_{write,restore}_bytes_per_second`: the bandwidth of the copies that landed in
   the last step that landed any.
 """

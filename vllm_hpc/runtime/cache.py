@@ -33,6 +33,7 @@ from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, Save
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.journal import JournalEvent
+from vllm_hpc.index.transfers import DiskWrite
 from vllm_hpc.runtime.admission import Admission
 from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
@@ -48,11 +49,13 @@ from vllm_hpc.runtime.records import (
 from vllm_hpc.runtime.telemetry import (
     ADMISSION,
     AUDIT,
+    DISK,
     FILE,
     HOST,
     INDEX,
     AdmissionCounters,
     AuditCounters,
+    DiskCounters,
     FileCounters,
     HostCounters,
 )
@@ -71,7 +74,7 @@ class HybridPrefixCache:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.index = PrefixIndex(config.index)
-        self.pipeline = StepPipeline(self.index, config.index.geometry)
+        self.pipeline = StepPipeline(self.index, config.index.geometry, config.disk_write_bytes)
         self.admission = Admission(config, self.index, self.pipeline)
         self.captures = Captures(
             self.index, self.pipeline, config.in_pass_taps, config.chunk_tokens
@@ -90,6 +93,11 @@ class HybridPrefixCache:
     def host(self) -> HostCounters:
         """Bytes planned to and from the host tier."""
         return self.pipeline.host
+
+    @property
+    def disk(self) -> DiskCounters:
+        """Bytes the disk tier wrote."""
+        return self.pipeline.disk
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -116,6 +124,12 @@ class HybridPrefixCache:
 
     def complete_writes(self, batches: Sequence[int]) -> None:
         self.pipeline.complete_writes(batches)
+
+    def complete_disk_writes(self, batch: int) -> list[DiskWrite]:
+        return self.pipeline.complete_disk_writes(batch)
+
+    def fail_disk_writes(self, batch: int) -> list[DiskWrite]:
+        return self.pipeline.fail_disk_writes(batch)
 
     def take_new_pages(self) -> list[PageId]:
         return self.pipeline.take_new_pages()
@@ -173,6 +187,7 @@ class HybridPrefixCache:
         values = {m.name: getattr(index.stats, m.name) for m in INDEX}
         values.update({m.name: getattr(self.admissions, m.name) for m in ADMISSION})
         values.update({m.name: getattr(self.host, m.name.removeprefix("host_")) for m in HOST})
+        values.update({m.name: getattr(self.disk, m.name.removeprefix("disk_")) for m in DISK})
         values.update({m.name: getattr(self.audits, m.name) for m in AUDIT})
         values.update({m.name: getattr(self.file, m.name) for m in FILE})
         values["snapshots"] = len(store.snapshots)
@@ -186,6 +201,9 @@ class HybridPrefixCache:
         values["host_bytes_images"] = slabs.num_in_use(SlabUse.IMAGE) * slab_bytes
         values["host_bytes_tails"] = slabs.num_in_use(SlabUse.TAIL) * slab_bytes
         values["host_bytes_free"] = slabs.num_free * slab_bytes
+        disk = store.disk_slabs
+        values["disk_bytes_used"] = (disk.capacity - disk.num_free) * slab_bytes
+        values["disk_bytes_free"] = disk.num_free * slab_bytes
         return values
 
     def audit(self) -> None:

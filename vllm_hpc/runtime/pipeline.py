@@ -9,7 +9,9 @@ after a plan was handed out follows from that:
 - pages a finished request releases may still be read by copies in the pending plan: they
   return to the pool only after that plan was handed out (quarantine);
 - write-through records (released blocks, published snapshots) join the plan as one batch and
-  complete when the workers report the batch (`complete_writes`).
+  complete when the workers report the batch (`complete_writes`);
+- with a disk tier, each plan carries the step's write-behind (`PrefixIndex.plan_disk_writes`)
+  as one batch, completed or failed when every worker reported it (`complete_disk_writes`).
 """
 
 from __future__ import annotations
@@ -25,28 +27,34 @@ from vllm_hpc.index import (
     Restore,
     SnapshotWrite,
 )
+from vllm_hpc.index.transfers import DiskWrite
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.plan import (
+    DiskWriteBatch,
     HostRestore,
     HostWrite,
     ImageCopy,
     InPassCapture,
     PageSlab,
+    SlabRecord,
     StepPlan,
 )
-from vllm_hpc.runtime.telemetry import HostCounters
+from vllm_hpc.runtime.telemetry import DiskCounters, HostCounters
 
 WriteRecord = BlockWrite | SnapshotWrite
 
 
 class StepPipeline:
-    def __init__(self, index: PrefixIndex, geometry: HostGeometry) -> None:
+    def __init__(self, index: PrefixIndex, geometry: HostGeometry, disk_write_bytes: int) -> None:
         self.index = index
         self.geometry = geometry
+        self.disk_write_bytes = disk_write_bytes
+        """The byte bound of a step's write-behind (`derived.disk_write_bound`)."""
         self.plan = StepPlan()
         """The plan being built; `take_plan` hands it out."""
         self.plans_taken = 0
         self.host = HostCounters()
+        self.disk = DiskCounters()
         self._deferred: list[tuple[Lane, Capture]] = []
         """Captures of the state after the step being planned: their copies join the next plan."""
         self._landing: list[Restore] = []
@@ -59,6 +67,8 @@ class StepPipeline:
         """Write-through planned for the plan being built."""
         self._writing: dict[int, list[WriteRecord]] = {}
         """Handed-out write batches the workers have not reported done, by batch number."""
+        self._disk_writing: dict[int, list[DiskWrite]] = {}
+        """Handed-out write-behind batches not yet reported by every worker, by batch number."""
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -89,6 +99,11 @@ class StepPipeline:
             plan.host_writes.append(self._host_write(self.plans_taken, self._write_batch))
             self._writing[self.plans_taken] = self._write_batch
             self._write_batch = []
+        disk_writes = self.index.plan_disk_writes(self.disk_write_bytes)
+        if disk_writes:
+            records = tuple(record for write in disk_writes for record in disk_records(write))
+            plan.disk_writes.append(DiskWriteBatch(self.plans_taken, records))
+            self._disk_writing[self.plans_taken] = disk_writes
         self.plans_taken += 1
         self.index.plan_taken()
         return plan
@@ -124,6 +139,23 @@ class StepPipeline:
                     self.index.complete_block_write(record)
                 else:
                     self.index.complete_snapshot_write(record)
+
+    def complete_disk_writes(self, batch: int) -> list[DiskWrite]:
+        """Every worker made this write-behind batch durable: the disk copies are resident.
+        Its writes, for the journal; none for a batch a reset dropped."""
+        writes = self._disk_writing.pop(batch, [])
+        for write in writes:
+            self.index.complete_disk_write(write)
+            slabs = sum(len(record.disk) for record in disk_records(write))
+            self.disk.write_bytes += slabs * self.geometry.slab_bytes
+        return writes
+
+    def fail_disk_writes(self, batch: int) -> list[DiskWrite]:
+        """A worker could not make this batch durable: its disk slabs are free again."""
+        writes = self._disk_writing.pop(batch, [])
+        for write in writes:
+            self.index.fail_disk_write(write)
+        return writes
 
     def take_new_pages(self) -> list[PageId]:
         """Pages allocated since the last call (vLLM zeroes them before the step's copies)."""
@@ -211,6 +243,7 @@ class StepPipeline:
     def transfers_pending(self) -> int:
         """Index transfers this pipeline will complete: restores, prefetches, writes."""
         writing = sum(len(records) for records in self._writing.values())
+        writing += sum(len(writes) for writes in self._disk_writing.values())
         return len(self._landing) + len(self._prefetching) + len(self._write_batch) + writing
 
     def reset(self) -> None:
@@ -226,3 +259,15 @@ class StepPipeline:
         ):
             pending.clear()
         self._writing.clear()
+        self._disk_writing.clear()
+
+
+def disk_records(write: DiskWrite) -> list[SlabRecord]:
+    """A write-behind's records in the order the workers report their CRCs: each block of
+    its path, then the snapshot (image slabs, then the tail slab)."""
+    records = [SlabRecord((copy.slab,), (copy.disk_slab,)) for copy in write.blocks]
+    host, disk = write.image_slabs, write.image_disk_slabs
+    if write.tail is not None:
+        host, disk = (*host, write.tail[0]), (*disk, write.tail[1])
+    records.append(SlabRecord(tuple(host), tuple(disk)))
+    return records

@@ -96,6 +96,25 @@ class HostRestore:
     """The state into the lane's state row."""
 
 
+@dataclass(frozen=True, slots=True)
+class SlabRecord:
+    """One record of the disk tier, host slabs to disk slabs pairwise in its byte order: a
+    block's slab, or a snapshot's image slabs then its tail slab. The journal's CRC-32 is over
+    a record's bytes."""
+
+    host: tuple[int, ...]
+    disk: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskWriteBatch:
+    """Write-behind of one batch, host -> disk (disk-tier plan §1); each worker reports
+    ``batch`` landed with one CRC-32 per record, or failed."""
+
+    batch: int
+    records: tuple[SlabRecord, ...]
+
+
 @dataclass(slots=True)
 class StepPlan:
     """The copies of one step, in execution order."""
@@ -109,3 +128,5 @@ class StepPlan:
     host_restores: list[HostRestore] = field(default_factory=list)
     prefetches: list[HostRestore] = field(default_factory=list)
     """Blocks for a waiting request (§6.6): no pass of this step reads them, so none waits."""
+    disk_writes: list[DiskWriteBatch] = field(default_factory=list)
+    """Host slabs to the disk tier, off the engine thread: no pass waits for them."""

@@ -51,6 +51,9 @@ class RuntimeConfig:
     lane_rows: int = 1
     """State rows each running request holds: 1, or 1 + K with K speculative tokens (MTP), whose
     verification pass keeps the recurrent state after each of its K + 1 tokens (`Lane.rows`)."""
+    disk_write_bytes: int = 0
+    """Write-behind to the disk tier planned per step at most (`derived.disk_write_bound`);
+    unused without a disk tier."""
     decode_reserve_tokens: int = 256
     """Output tokens of each running request whose pages a new admission leaves free. Pages are
     taken 64 tokens at a time, so without a reserve a full pool admits requests that then run

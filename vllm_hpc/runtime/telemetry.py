@@ -31,6 +31,13 @@ class HostCounters:
 
 
 @dataclass(slots=True)
+class DiskCounters:
+    """Bytes the disk tier wrote: batches every worker reported durable."""
+
+    write_bytes: int = 0
+
+
+@dataclass(slots=True)
 class AuditCounters:
     """The cache audit's comparisons (`--cache-audit-rate`, `glue/scheduler/cache_audit.py`)."""
 
@@ -128,6 +135,11 @@ INDEX = (
         "Write-through batches the host tier had no room for",
     ),
     Metric(
+        "disk_writes_failed",
+        "vllm:hpc_disk_writes_failed",
+        "Snapshots whose write-behind a worker failed to make durable (nothing journaled)",
+    ),
+    Metric(
         "blocks_prefetched",
         "vllm:hpc_host_prefetched_blocks",
         "Host-only blocks copied to the device while their request waited at the queue's head",
@@ -152,6 +164,10 @@ HOST = _by(
     restored="host_restore_bytes",
 )
 """`HostCounters` fields, prefixed ``host_``."""
+DISK = _by(
+    "what", "vllm:hpc_disk_bytes", "Bytes moved by the disk tier", written="disk_write_bytes"
+)
+"""`DiskCounters` fields, prefixed ``disk_``."""
 AUDIT = (
     Metric(
         "audit_checked",
@@ -195,7 +211,7 @@ FILE = (
     ),
 )
 """`FileCounters` fields."""
-COUNTERS = ADMISSION + INDEX + HOST + AUDIT + FILE
+COUNTERS = ADMISSION + INDEX + HOST + DISK + AUDIT + FILE
 """The cache's monotonic counters."""
 WORKER_COUNTERS = (
     *_by(
@@ -230,6 +246,8 @@ LEVELS = (
     _level("host_bytes_images", "Host tier bytes holding snapshot state images"),
     _level("host_bytes_tails", "Host tier bytes holding snapshot tail pages"),
     _level("host_bytes_free", "Free host tier bytes"),
+    _level("disk_bytes_used", "Disk tier bytes holding blocks, images and tails"),
+    _level("disk_bytes_free", "Free disk tier bytes"),
 )
 """The cache's current values."""
 WORKER_LEVELS = (

@@ -426,10 +426,7 @@ class CacheStore:
     ) -> Snapshot:
         """A saved snapshot comes back host-only (§5.5); its slabs receive the saved bytes
         before any request can restore from them."""
-        snapshot = Snapshot(
-            self.snapshots.new_id(), kind, anchor, tail, self.tick, last_hit=self.tick, hits=hits
-        )
-        self._register(snapshot)
+        snapshot = self._add_loaded_snapshot(anchor, tail, kind, hits)
         self.fill_snapshot_host(snapshot, image, tail_slab)
         self.land_snapshot_host(snapshot)
         return snapshot
@@ -455,12 +452,19 @@ class CacheStore:
         pool.take(image, SlabUse.IMAGE)
         if tail_slab is not None:
             pool.take([tail_slab], SlabUse.TAIL)
+        snapshot = self._add_loaded_snapshot(anchor, tail, kind, hits)
+        self.fill_snapshot_disk(snapshot, image, tail_slab)
+        self.land_snapshot_disk(snapshot)
+        return snapshot
+
+    def _add_loaded_snapshot(
+        self, anchor: BlockNode, tail: bytes, kind: SnapshotKind, hits: int
+    ) -> Snapshot:
+        """A snapshot a load brings back, with its hits and no copy yet (the caller's next)."""
         snapshot = Snapshot(
             self.snapshots.new_id(), kind, anchor, tail, self.tick, last_hit=self.tick, hits=hits
         )
         self._register(snapshot)
-        self.fill_snapshot_disk(snapshot, image, tail_slab)
-        self.land_snapshot_disk(snapshot)
         return snapshot
 
     def _register(self, snapshot: Snapshot) -> None:

@@ -402,3 +402,47 @@ def test_each_data_parallel_engine_core_has_its_own_cache_file() -> None:
     assert cache_file_path("/c/cache.bin", 0) == "/c/cache.bin"
     assert cache_file_path("/c/cache.bin", 1) == "/c/cache.dp1.bin"
     assert cache_file_path("/c.d/cache", 2) == "/c.d/cache.dp2"
+
+
+def _disk_options(**options: Any) -> PluginOptions:
+    config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 64, **options}
+    return PluginOptions.from_additional_config(config)
+
+
+def test_disk_tier_options_are_made_absolute(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    options = _disk_options(disk_cache_dir="tier/here", disk_cache_gib="4")
+    assert options.disk_cache_dir == str(tmp_path / "tier" / "here")
+    assert options.disk_cache_gib == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"disk_cache_gib": 1}, r"^--disk-cache-gib needs --disk-cache-dir"),
+        ({"disk_cache_dir": "tier"}, r"^--disk-cache-dir needs --disk-cache-gib"),
+        ({"disk_cache_dir": "tier", "disk_cache_gib": 0}, r"^--disk-cache-gib: must be at least 1"),
+        ({"disk_cache_dir": "tier", "disk_cache_gib": "x"}, r"^--disk-cache-gib: expected an"),
+        (
+            {"disk_cache_dir": "tier", "disk_cache_gib": 1, "host_cache_mib": 0},
+            r"^--disk-cache-dir puts a disk tier under the host tier, and --host-cache-mib 0",
+        ),
+        ({"disk_cache_dir": "file/tier", "disk_cache_gib": 1}, r"^--disk-cache-dir .* not a dir"),
+        ({"disk_cache_dir": "locked/tier", "disk_cache_gib": 1}, r"^--disk-cache-dir .*: this"),
+        (
+            {"disk_cache_dir": "tier", "disk_cache_gib": 1, "no_prefix_reuse": True},
+            r"^--disk-cache-dir has no effect with --no-prefix-reuse",
+        ),
+    ],
+)
+def test_a_disk_tier_the_server_cannot_have_is_refused_naming_the_option(
+    tmp_path: Path, options: dict[str, Any], message: str, monkeypatch: Any
+) -> None:
+    (tmp_path / "file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OptionError, match=message):
+        _disk_options(**options)

@@ -177,6 +177,21 @@ def cache_file_path(path: str, data_parallel_index: int) -> str:
     return f"{stem}.dp{data_parallel_index}.{suffix}"
 
 
+DISK_WRITE_BYTES_PER_STEP = 128 << 20
+"""Write-behind planned per engine step, at most. disk-io.md measured O_DIRECT writes at about
+2-3 GiB/s: 128 MiB is 40-60 ms of them, about one busy step, so the workers' stores keep up
+while the planned writes pin only that much of the host tier beyond what is landing."""
+
+
+def disk_write_bound(geometry: HostGeometry, max_model_len: int) -> int:
+    """The byte bound of a step's `PrefixIndex.plan_disk_writes`: `DISK_WRITE_BYTES_PER_STEP`,
+    or more where one snapshot with a --max-model-len path needs more. A snapshot goes to disk
+    whole with the path blocks not there yet, so a smaller bound would never write the
+    deepest."""
+    deepest = pages_for(max_model_len) + geometry.snapshot_slabs(has_tail=True)
+    return max(DISK_WRITE_BYTES_PER_STEP, deepest * geometry.slab_bytes)
+
+
 def check_host_budget(host_cache_mib: int, geometry: HostGeometry) -> None:
     """Refuse a host tier smaller than one snapshot with its tail plus one block, naming the
     option (0, no host tier, passes). Checked once the model's block and state sizes are known."""
@@ -220,7 +235,9 @@ def runtime_config(
             row_pages=row_pages,
             geometry=geometry,
             host_budget_bytes=options.host_tier_mib << 20,
+            disk_budget_bytes=(options.disk_cache_gib or 0) << 30,
         ),
+        disk_write_bytes=disk_write_bound(geometry, max_model_len),
         active_cap=caps.active,
         tap_policy=tap_policy(options, chunk, caps.sized_for, caps.snapshots, in_pass),
         chunk_tokens=chunk,

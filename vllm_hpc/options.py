@@ -206,6 +206,27 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         parse=_path,
     ),
     OptionSpec(
+        key="disk_cache_dir",
+        flag="--disk-cache-dir",
+        help=(
+            "Directory of the cache's disk tier, under the host tier: snapshots and their "
+            "blocks are written behind from host slabs to a slab file per worker "
+            "(DIR/engine<k>/rank<r>.slabs) and journaled (DIR/engine<k>/journal); a restart "
+            "finds them there. Needs --disk-cache-gib and a host tier (--host-cache-mib). "
+            + _HYBRID_ONLY
+        ),
+        parse=_path,
+    ),
+    OptionSpec(
+        key="disk_cache_gib",
+        flag="--disk-cache-gib",
+        help=(
+            "Size (GiB) of the disk tier's slab file per worker, preallocated at start-up "
+            "(refused when the filesystem lacks the room). Needs --disk-cache-dir. " + _HYBRID_ONLY
+        ),
+        parse=_count(1),
+    ),
+    OptionSpec(
         key="no_prefix_reuse",
         flag="--no-prefix-reuse",
         help="Serve without any prefix reuse: nothing is cached or looked up. " + _HYBRID_ONLY,
@@ -239,6 +260,9 @@ class PluginOptions:
     no_prefix_reuse: bool = False
     prefix_cache_file: str | None = None
     """Absolute (`_path`)."""
+    disk_cache_dir: str | None = None
+    """Absolute (`_path`); set exactly when ``disk_cache_gib`` is."""
+    disk_cache_gib: int | None = None
 
     @property
     def hybrid_prefix(self) -> bool:
@@ -287,6 +311,8 @@ class PluginOptions:
                     "cache_audit_rate",
                     "cache_audit_tokens",
                     "prefix_cache_file",
+                    "disk_cache_dir",
+                    "disk_cache_gib",
                 }
             )
             if tap_options:
@@ -295,6 +321,8 @@ class PluginOptions:
                 )
         if self.prefix_cache_file is not None:
             _check_cache_file(self.prefix_cache_file, self.host_cache_mib)
+        if self.disk_cache_dir is not None or self.disk_cache_gib is not None:
+            _check_disk_tier(self.disk_cache_dir, self.disk_cache_gib, self.host_cache_mib)
 
 
 def _check_cache_file(path: str, host_cache_mib: int) -> None:
@@ -310,3 +338,24 @@ def _check_cache_file(path: str, host_cache_mib: int) -> None:
         raise OptionError(f"{flag} {path}: the directory {target.parent} does not exist")
     if not os.access(target.parent, os.W_OK | os.X_OK):
         raise OptionError(f"{flag} {path}: this server cannot create files in {target.parent}")
+
+
+def _check_disk_tier(directory: str | None, gib: int | None, host_cache_mib: int) -> None:
+    """Refuse, at start-up, a disk tier given half, with no host tier above it, or in a
+    directory the server cannot create or write (the workers' slab files refuse a size the
+    filesystem cannot hold, naming --disk-cache-gib)."""
+    flag, size_flag = _SPECS["disk_cache_dir"].flag, _SPECS["disk_cache_gib"].flag
+    if directory is None:
+        raise OptionError(f"{size_flag} needs {flag}: the directory of the disk tier")
+    if gib is None:
+        raise OptionError(f"{flag} needs {size_flag}: the size of the disk tier")
+    if host_cache_mib == 0:
+        raise OptionError(
+            f"{flag} puts a disk tier under the host tier, and --host-cache-mib 0 has none"
+        )
+    target = Path(directory)
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise OptionError(f"{flag} {directory}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OptionError(f"{flag} {directory}: this server cannot create files in {existing}")

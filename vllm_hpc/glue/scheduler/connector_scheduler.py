@@ -1,12 +1,12 @@
 """The scheduler's half of `HybridPrefixConnector`: it hands each step's worker plan to the
-workers and completes the write batches every worker has landed; it reports the cache's
-counters and levels."""
+workers and completes the write batches every worker has landed (the disk tier's through its
+journal, `disk_tier.py`); it reports the cache's counters and levels."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_hpc.glue.connector_metadata import StepMetadata, WritesLanded
+from vllm_hpc.glue.connector_metadata import DiskWriteReport, StepMetadata, WritesLanded
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
 
@@ -18,6 +18,8 @@ class ConnectorScheduler:
         self._telemetry = TelemetryReader()
         self._landed: dict[int, int] = {}
         """Workers' reports of write batches not yet landed on every worker."""
+        self._disk_ended: dict[int, dict[int, DiskWriteReport]] = {}
+        """Workers' reports of write-behind batches, by batch and rank, until every rank's."""
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
@@ -28,7 +30,15 @@ class ConnectorScheduler:
         return self._telemetry.read(self._manager.cache.telemetry())
 
     def build_connector_meta(self) -> StepMetadata:
+        """The step's plan for the workers; first, the disk tier journals what changed, so
+        that what the plan overwrites on disk is journaled as dropped (`DiskTier.step`)."""
         plan = self._manager.take_worker_plan()
+        disk_tier = self._manager.disk_tier
+        if disk_tier is not None:
+            ended = {b: r for b, r in self._disk_ended.items() if len(r) >= self._world_size}
+            for batch in ended:
+                del self._disk_ended[batch]
+            disk_tier.step(ended)
         return StepMetadata(
             plan.state_zeros,
             plan.state_copies,
@@ -36,6 +46,7 @@ class ConnectorScheduler:
             plan.host_writes,
             plan.host_restores,
             plan.prefetches,
+            plan.disk_writes,
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -50,6 +61,8 @@ class ConnectorScheduler:
                 done.append(batch)
                 del self._landed[batch]
         self._manager.cache.complete_writes(done)
+        for batch, ranks in meta.disk.items():
+            self._disk_ended.setdefault(batch, {}).update(ranks)
 
 
 class TelemetryReader:

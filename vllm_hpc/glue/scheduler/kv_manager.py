@@ -31,9 +31,12 @@ from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.scheduler.cache_audit import Resumed
 from vllm_hpc.glue.scheduler.cache_key import media_items, tenant_key
 from vllm_hpc.glue.scheduler.chat_format import chat_markers, prompt_hints
+from vllm_hpc.glue.scheduler.disk_tier import DiskTier, journal_header
+from vllm_hpc.glue.scheduler.fingerprint import engine_fingerprint
 from vllm_hpc.glue.scheduler.kv_events import KVEventTranslator
 from vllm_hpc.glue.state_spec import StateRowSpec
 from vllm_hpc.glue.versions import read_limit
+from vllm_hpc.glue.worker.disk_store import disk_journal_path
 from vllm_hpc.index import MediaItem, TapHint
 from vllm_hpc.options import OptionError, PluginOptions
 from vllm_hpc.runtime.cache import (
@@ -119,6 +122,8 @@ class HybridPrefixKVCacheManager:
                 config, index=dataclasses.replace(config.index, record_events=True)
             )
         self.cache = HybridPrefixCache(config)
+        self.disk_tier = disk_tier(options, vllm_config, self.cache)
+        """The disk tier's journal (None without one); the connector steps it."""
         self.active_cap = config.active_cap
         self.max_model_len = max_model_len
         self.log_stats = log_stats
@@ -406,6 +411,22 @@ class PromptKeys:
     tenant: str | None
     """`cache_salt` plus the LoRA adapter and prompt embeddings (`glue.scheduler.cache_key`)."""
     media: tuple[MediaItem, ...]
+
+
+def disk_tier(
+    options: PluginOptions, vllm_config: Any, cache: HybridPrefixCache
+) -> DiskTier | None:
+    """This engine core's disk tier journal, replayed into ``cache``; None without one."""
+    if options.disk_cache_dir is None or not cache.config.index.disk_budget_bytes:
+        return None
+    parallel = vllm_config.parallel_config
+    header = journal_header(
+        engine_fingerprint(vllm_config),
+        cache.config.index.geometry,
+        parallel.tensor_parallel_size,
+    )
+    path = disk_journal_path(options.disk_cache_dir, parallel.data_parallel_index)
+    return DiskTier(path, header, cache)
 
 
 def state_rows(

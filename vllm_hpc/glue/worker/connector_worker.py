@@ -1,6 +1,6 @@
 """The workers' half of `HybridPrefixConnector`: each step's state copies and in-pass
-captures, the host tier's write-through batches and layer-pipelined restores, and the
-reports of which write batches have landed."""
+captures, the host tier's write-through batches and layer-pipelined restores, the disk tier's
+write-behind batches, and the reports of which write batches have landed."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLand
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.stop_signals import defer_first_stop_signal
 from vllm_hpc.glue.worker.call_clock import HostCallClock
+from vllm_hpc.glue.worker.disk_writer import DiskWriter
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
@@ -96,6 +97,8 @@ class ConnectorWorker:
         self._pool: Any = None
         self._arena: HostArena | None = None
         self._issuer: WriteIssuer | None = None
+        self._disk: DiskWriter | None = None
+        """The disk tier's writes (None without one)."""
         self._due: _WritesDue | None = None
         self._writing: list[_WriteInFlight] = []
         self._steps = 0
@@ -165,8 +168,16 @@ class ConnectorWorker:
             " (batched copies)" if self._arena.batched else "",
         )
         pool.restores = self._restores
+        parallel = self._vllm_config.parallel_config
+        if options.disk_cache_dir is not None and options.disk_cache_gib is not None:
+            self._disk = DiskWriter.open(
+                options.disk_cache_dir,
+                parallel.data_parallel_index,
+                tensor_parallel_rank(),
+                options.disk_cache_gib << 30,
+                self._arena,
+            )
         if options.prefix_cache_file is not None:
-            parallel = self._vllm_config.parallel_config
             path = cache_file_path(options.prefix_cache_file, parallel.data_parallel_index)
             self._preload = Preload(path, self._arena, tensor_parallel_rank())
             if parallel.distributed_executor_backend == "mp":  # a worker process of its own
@@ -200,6 +211,12 @@ class ConnectorWorker:
             return
         if connector_metadata.host_writes:
             self._due = _WritesDue(list(connector_metadata.host_writes), arena.mark())
+        if self._disk is not None and connector_metadata.disk_writes:
+            with self.clock.timed(
+                "disk handover", f"{len(connector_metadata.disk_writes)} batches"
+            ):
+                self._disk.submit(connector_metadata.disk_writes)
+            self.issued["disk_write"] += len(connector_metadata.disk_writes)
         restores, prefetches = connector_metadata.host_restores, connector_metadata.prefetches
         try:
             with self.clock.timed(
@@ -263,7 +280,8 @@ class ConnectorWorker:
             self._pool.in_pass = None
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
-        """Report the write batches that have landed since the last step."""
+        """Report the write batches that have landed since the last step, and the disk tier's
+        batches that ended (this rank's CRCs, or a failure)."""
         held = SLOW_COPY_STEPS if armed("host_slow") else 0
         try:
             with self.clock.timed("write check"):
@@ -272,10 +290,15 @@ class ConnectorWorker:
                 ]
         except Exception as error:  # the issuer thread's, raised by `done`
             raise self._fail(_HOST_COPY, error) from error
-        if not landed:
+        disk = {}
+        if self._disk is not None:
+            with self.clock.timed("disk check"):
+                rank = tensor_parallel_rank()
+                disk = {batch: {rank: crcs} for batch, crcs in self._disk.ended().items()}
+        if not landed and not disk:
             return None
         self._writing = [w for w in self._writing if w not in landed]
-        return WritesLanded(dict.fromkeys((w.batch for w in landed), 1))
+        return WritesLanded(dict.fromkeys((w.batch for w in landed), 1), disk)
 
     def _state_pool(self) -> Any:
         if self._pool is None:

@@ -99,6 +99,12 @@ def disk_slab_path(directory: str | Path, engine: int, rank: int) -> Path:
     return Path(directory) / f"engine{engine}" / f"rank{rank}.slabs"
 
 
+def disk_journal_path(directory: str | Path, engine: int) -> Path:
+    """``DIR/engine{k}/journal``: engine core ``k``'s journal, beside its ranks' slab files
+    (written by the engine core, which imports this standard-library module for the name)."""
+    return disk_slab_path(directory, engine, 0).with_name("journal")
+
+
 def io_depth(slab_bytes: int) -> int:
     """Threads per direction: clamp(16 MiB / slab, 4, 16), disk-io.md's starting rule (four
     4 MiB reads reached the disk's bandwidth; small records needed more in flight)."""

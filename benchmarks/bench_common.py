@@ -112,9 +112,22 @@ def gpu_engine_kwargs(
         "skip_tokenizer_init": True,
         "enforce_eager": eager,
         "seed": 0,
+        **text_only(model, overrides),
         **overrides,
         "additional_config": {**chosen, **(additional_config or {})},
     }
+
+
+def text_only(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language model serving token-id prompts without a tokenizer: vLLM 0.34's
+    multimodal processor refuses to start without one, so its `language_model_only` (the same
+    class and weights, no image inputs) unless the run sets image limits of its own."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    vision = "vision_config" in model_config(model)
+    if not vision or "limit_mm_per_prompt" in overrides:
+        return {}
+    return {"language_model_only": True} if hasattr(EngineArgs, "language_model_only") else {}
 
 
 def gpu_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from engine_support import (
     RESUME_PATHS,
     SMALL_POOL_PAGES,
@@ -99,6 +100,11 @@ def _steps(llm: Any, count: int) -> None:
         greedy(llm, [random_prompt(seed=900 + seed, length=30)], 1)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="the write issuer's thread runs on CUDA only: on CPU a batch's copies are "
+    "synchronous memmoves, issued on the engine thread",
+)
 def test_a_slow_write_issue_holds_back_no_engine_step(
     cold: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,7 +66,13 @@ class WriteIssuer:
         went on meanwhile)."""
 
     def submit(self, ranges: CopyRanges, after: torch.cuda.Event | None, what: str) -> PendingWrite:
-        """Queue a batch prepared by `HostArena.prepare_write`; ``what`` names it in the log."""
+        """Queue a batch prepared by `HostArena.prepare_write`; ``what`` names it in the log.
+        Without CUDA the copies are synchronous memmoves, issued here as before: the batch has
+        landed when this returns, which the scheduler's step-by-step reports rely on."""
+        if self._arena.layout.device.type != "cuda":
+            issued: Future[TransferHandle] = Future()
+            issued.set_result(self._arena.issue_write(ranges, after))
+            return PendingWrite(ranges.total_bytes, issued)
         return PendingWrite(ranges.total_bytes, self._pool.submit(self._issue, ranges, after, what))
 
     def _issue(

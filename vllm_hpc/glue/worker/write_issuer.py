@@ -4,10 +4,12 @@ A write batch is thousands of small device -> host copies queued behind the comp
 position at the step's bind, which under async scheduling is the previous step's forward pass
 (over a second for a large prefill). When a batch's copies outnumber what the driver's launch
 queue holds, the call that issues them blocks the CPU until the GPU has worked through enough
-of that queue. On the engine thread this stopped every running request's next token for as
-long. Here only this thread waits: the engine thread prepares the batch (its ranges and
-counters), hands it over and polls the handle, which is done once the batch was issued and
-has landed. One thread keeps the batches in order on the one write-through stream.
+of that queue. On the engine thread that would stop every running request's next token for as
+long (the suspected cause of #48's pauses, not yet confirmed on a GPU). Here only this thread
+waits: the engine thread prepares the batch (its ranges and counters), hands it over and polls
+the handle, which is done once the batch was issued and has landed. One thread keeps the
+batches in order on the one write-through stream. Without CUDA the copies are synchronous
+memmoves and are issued inline.
 """
 
 from __future__ import annotations
@@ -83,12 +85,8 @@ class WriteIssuer:
                 time.sleep(SLOW_ISSUE_SECONDS)
             return self._arena.issue_write(ranges, after)
 
-    def close(self) -> None:
-        """Issue what is queued, then end the thread."""
-        self._pool.shutdown(wait=True)
-
 
 def _use_device(device: torch.device) -> None:
-    """The issuer thread's current CUDA device is its arena's (a new thread starts on 0)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    """The issuer thread's current CUDA device is its arena's (a new thread starts on 0). The
+    thread starts with the first CUDA batch; without CUDA `submit` issues inline."""
+    torch.cuda.set_device(device)

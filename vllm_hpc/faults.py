@@ -16,8 +16,9 @@ Each point is documented where it fires; tests arm them in the processes they st
   write, restore or prefetch is still in flight when a cancellation, an eviction or a reset
   lands;
 - `host_issue_slow`: issuing every write-through batch first sleeps `SLOW_ISSUE_SECONDS` on the
-  write issuer's thread, as when its copies fill the driver's launch queue behind a long
-  forward pass (#48): the engine thread must go on stepping meanwhile;
+  write issuer's thread (used on CPU too while armed), as when its copies fill the driver's
+  launch queue behind a long forward pass (#48): the engine thread must go on stepping
+  meanwhile;
 - `save_slow`: every slab the prefix cache file saves first sleeps `SLOW_SAVE_SECONDS`, so a
   second stop signal or a kill lands in the middle of a save;
 - `disk_write`, `disk_read`: every run of disk slabs a write or read batch moves fails with EIO

@@ -9,7 +9,8 @@ long (the suspected cause of #48's pauses, not yet confirmed on a GPU). Here onl
 waits: the engine thread prepares the batch (its ranges and counters), hands it over and polls
 the handle, which is done once the batch was issued and has landed. One thread keeps the
 batches in order on the one write-through stream. Without CUDA the copies are synchronous
-memmoves and are issued inline.
+memmoves that cannot block for long, and are issued inline unless the `host_issue_slow` fault
+makes them block (the CPU test of the thread).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ class WriteIssuer:
 
     def submit(self, ranges: CopyRanges, after: torch.cuda.Event | None, what: str) -> PendingWrite:
         """Queue a batch prepared by `HostArena.prepare_write`; ``what`` names it in the log.
-        Without CUDA the copies are synchronous memmoves, issued here as before: the batch has
-        landed when this returns, which the scheduler's step-by-step reports rely on."""
-        if self._arena.layout.device.type != "cuda":
+        Where issuing cannot block (CPU memmoves, no fault) it is done here: the batch has
+        landed when this returns, so its landing is reported in the same step."""
+        if not _issue_can_block(self._arena.layout.device):
             issued: Future[TransferHandle] = Future()
             issued.set_result(self._arena.issue_write(ranges, after))
             return PendingWrite(ranges.total_bytes, issued)
@@ -86,7 +87,13 @@ class WriteIssuer:
             return self._arena.issue_write(ranges, after)
 
 
+def _issue_can_block(device: torch.device) -> bool:
+    """CUDA issues block once the launch queue is full; `host_issue_slow` makes any issue
+    block, so the thread is exercised on CPU too."""
+    return device.type == "cuda" or armed("host_issue_slow")
+
+
 def _use_device(device: torch.device) -> None:
-    """The issuer thread's current CUDA device is its arena's (a new thread starts on 0). The
-    thread starts with the first CUDA batch; without CUDA `submit` issues inline."""
-    torch.cuda.set_device(device)
+    """The issuer thread's current CUDA device is its arena's (a new thread starts on 0)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

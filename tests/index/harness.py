@@ -53,7 +53,7 @@ def snap(publication: Publication | None) -> Snapshot:
 
 def simple_cost() -> CacheCostModel:
     """Round numbers for hand computation: 1 ms per token, 1 µs per attention pair,
-    1 MB/s host-to-device, no fixed costs."""
+    1 MB/s host-to-device, 0.5 MB/s disk reads, no fixed costs."""
     return CacheCostModel(
         token_s=1e-3,
         attention_pair_s=1e-6,
@@ -61,6 +61,7 @@ def simple_cost() -> CacheCostModel:
         chunk_tokens=1 << 20,
         h2d_bytes_per_s=1e6,
         batch_latency_s=0.0,
+        disk_read_bytes_per_s=5e5,
     )
 
 

@@ -3,6 +3,8 @@ into the host, and the eviction orders of both slab tiers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.index.harness import BLOCK, Harness, JournalReplay, make_index, toks
@@ -17,6 +19,7 @@ from vllm_hpc.index import (
 from vllm_hpc.index.eviction_order import DISK_EVICTION, HOST_EVICTION, TierStep
 from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool, SlabUse
 from vllm_hpc.index.journal import BlockStored, SnapshotPublished
+from vllm_hpc.index.source_choice import choose, source_options
 from vllm_hpc.index.types import DiskSlabId, Medium, SnapshotKind
 
 SLAB = 4096
@@ -205,7 +208,11 @@ def test_a_disk_only_snapshot_is_read_back_then_restored_from_the_host() -> None
     match = index.match(index.prepare_prompt(resume))
     quote = index.quote(match, lambda f: 1)
     assert quote.readiness is Readiness.READY and quote.source is not None
-    assert quote.source.snapshot is None  # the disk needs a read first
+    assert quote.source.snapshot is snapshot and quote.source.disk_bytes == 7000
+    with pytest.raises(ValueError, match="needs a disk read first"):
+        index.acquire(quote)
+    without = index.quote(match, lambda f: 1, disk=False)
+    assert without.source is not None and without.source.snapshot is None
     read = index.plan_disk_read(snapshot)
     assert read is not None
     assert [c.node for c in read.blocks] == snapshot.anchor.path()
@@ -213,6 +220,8 @@ def test_a_disk_only_snapshot_is_read_back_then_restored_from_the_host() -> None
     assert read.image_disk_slabs == snapshot.image_disk_slabs
     assert index.plan_disk_read(snapshot) is None  # landing already
     h.check()
+    landing = index.quote(index.match(index.prepare_prompt(resume)), lambda f: 1)
+    assert landing.source is not None and landing.source.snapshot is None  # nothing else serves
     index.complete_disk_read(read)
     h.check()
     assert snapshot.media == {Medium.HOST, Medium.DISK}
@@ -233,11 +242,12 @@ def test_a_read_takes_only_what_is_on_disk_alone() -> None:
     assert h.index.plan_disk_read(snapshot) is None
     store.drop_snapshot_tail_device(snapshot)
     read = h.index.plan_disk_read(snapshot)
-    assert read is not None and read.blocks == () and read.image_slabs == ()
+    # The tail comes with its image: the journal checks them as one record.
+    assert read is not None and read.blocks == () and len(read.image_slabs) == 1
     assert read.tail is not None and first.host is Residency.RESIDENT
     h.index.complete_disk_read(read)
     h.check()
-    assert snapshot.tail_host is Residency.RESIDENT and snapshot.image_host is Residency.ABSENT
+    assert snapshot.tail_host is snapshot.image_host is Residency.RESIDENT
 
 
 def test_a_failed_read_frees_its_host_slabs_and_keeps_the_disk_copy() -> None:
@@ -254,6 +264,70 @@ def test_a_failed_read_frees_its_host_slabs_and_keeps_the_disk_copy() -> None:
     assert h.index.stats.disk_reads_failed == 1
     with pytest.raises(ValueError, match="unknown or already completed"):
         h.index.complete_disk_read(read)
+
+
+def test_a_damaged_block_goes_with_what_hangs_from_it_and_a_shallower_source_serves() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    prompt, snapshot = tapped(h, 12)
+    to_disk(h)
+    disk_only(h, snapshot)
+    first, second = snapshot.anchor.path()
+    read = h.index.plan_disk_read(snapshot)
+    assert read is not None
+    disk_free = h.index.store.disk_slabs.num_free
+    assert h.index.fail_disk_read(read, [second]) == 1
+    h.check()
+    assert snapshot not in h.index.store.snapshots and second.disk is Residency.ABSENT
+    assert first.media == {Medium.DISK}  # undamaged: kept
+    assert h.index.store.disk_slabs.num_free == disk_free + 3  # the block, image and tail
+    assert h.index.stats.disk_records_dropped == 1
+    match = h.index.match(h.index.prepare_prompt([*prompt[: 2 * BLOCK + 7], 1]))
+    assert match.candidates == []
+
+
+def test_a_damaged_snapshot_record_goes_and_its_path_stays() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 13)
+    to_disk(h)
+    disk_only(h, snapshot)
+    path = snapshot.anchor.path()
+    read = h.index.plan_disk_read(snapshot)
+    assert read is not None
+    assert h.index.fail_disk_read(read, [snapshot]) == 1
+    h.check()
+    assert snapshot not in h.index.store.snapshots
+    assert all(node.host is Residency.ABSENT for node in path)  # the read's slabs went back
+
+
+def test_a_disk_source_is_chosen_only_where_it_beats_a_shallower_one_by_its_read() -> None:
+    """Reads cost the disk's time on top of the restore: a host source nearly as deep wins,
+    a much shallower one loses."""
+    h = Harness(make_index(host_slabs=40, disk_slabs=40))
+    prompt = toks(14, 7 * BLOCK + 5)
+    (shallow, deep) = h.run(prompt, taps=[BLOCK + 3, 6 * BLOCK + 3])
+    assert shallow is not None and deep is not None
+    to_disk(h)
+    off_device(h, deep.snapshot)
+    store = h.index.store
+    store.drop_snapshot_host(deep.snapshot)
+    for node in deep.snapshot.anchor.path()[2:]:
+        store.drop_node_host(node)
+    h.check()
+    match = h.index.match(h.index.prepare_prompt(prompt))
+    quote = h.index.quote(match, lambda f: 1)
+    assert quote.source is not None
+    assert quote.source.snapshot is deep.snapshot  # five blocks' prefill cost more than the read
+    expected = 4 * 1000 + 4000 + 1000  # its disk-only blocks, image and tail
+    assert quote.source.disk_bytes == expected
+    cost = store.value.cost
+    read = cost.disk_read_seconds(expected) + cost.restore_seconds(quote.source.host_bytes)
+    frontier = 6 * BLOCK + 3
+    prefill = cost.prefill_seconds(frontier, len(prompt) - frontier)
+    assert quote.source.seconds == pytest.approx(read + prefill)
+    slow = dataclasses.replace(cost, disk_read_bytes_per_s=1.0)
+    options = source_options(match, store.lru, slow, store.value.geometry)
+    assert [o.snapshot for o in options] == [deep.snapshot, shallow.snapshot, None]
+    assert choose(options).snapshot is shallow.snapshot
 
 
 def test_a_read_refuses_a_path_only_the_device_holds() -> None:
@@ -361,8 +435,8 @@ def test_journaled_entries_come_back_disk_only_and_pass_the_audit() -> None:
     quote = index.quote(
         index.match(index.prepare_prompt([*prompt[: 2 * BLOCK + 7], 1])), lambda f: 1
     )
-    assert quote.source is not None and quote.source.snapshot is None  # reads are step 4
-    assert index.plan_disk_read(loaded) is not None  # what step 4 will do with it
+    assert quote.source is not None and quote.source.snapshot is loaded  # after a read
+    assert index.plan_disk_read(loaded) is not None
 
 
 def test_a_journaled_entry_that_does_not_fit_is_refused_unchanged() -> None:

@@ -144,12 +144,16 @@ def test_restore_plan_and_filling_candidates_are_skipped() -> None:
 
 
 class FlatCost:
-    """A plugged-in cost model: prefill costs one second per token, restores are free."""
+    """A plugged-in cost model: prefill costs one second per token, restores and reads are
+    free."""
 
     def prefill_seconds(self, base: int, tokens: int) -> float:
         return float(tokens)
 
     def restore_seconds(self, host_bytes: int) -> float:
+        return 0.0
+
+    def disk_read_seconds(self, disk_bytes: int) -> float:
         return 0.0
 
 

@@ -121,6 +121,13 @@ class IndexMachine(RuleBasedStateMachine):
         quote = index.quote(match, lambda f: -(-n // BLOCK) - f // BLOCK + rows)
         if quote.readiness is not Readiness.READY:
             return
+        assert quote.source is not None
+        if quote.source.disk_bytes:  # the runtime's order: read, wait, then look up again
+            assert quote.source.snapshot is not None
+            read = index.plan_disk_read(quote.source.snapshot)
+            if read is not None:
+                self.disk_transfers.append(read)
+            return
         row = None
         if rows:  # the runtime's order: the row, then a fresh quote that keeps the source
             row = index.take_state_row(quote)
@@ -365,14 +372,19 @@ class IndexMachine(RuleBasedStateMachine):
             self.disk_transfers.append(read)
 
     @precondition(lambda self: bool(self.disk_transfers))
-    @rule(pick=st.integers(0, 99), fail=st.booleans())
-    def land_disk_transfer(self, pick: int, fail: bool) -> None:
+    @rule(pick=st.integers(0, 99), fail=st.booleans(), damaged=st.sets(st.integers(0, 7)))
+    def land_disk_transfer(self, pick: int, fail: bool, damaged: set[int]) -> None:
+        """A transfer lands or fails; a failed read's ``damaged`` records (by their place in
+        the read: its blocks, then the snapshot) lose their disk copies."""
         transfer = self.disk_transfers.pop(pick % len(self.disk_transfers))
         index = self.index
         if isinstance(transfer, DiskWrite):
             (index.fail_disk_write if fail else index.complete_disk_write)(transfer)
+        elif fail:
+            records = [*(copy.node for copy in transfer.blocks), transfer.snapshot]
+            index.fail_disk_read(transfer, [records[i] for i in damaged if i < len(records)])
         else:
-            (index.fail_disk_read if fail else index.complete_disk_read)(transfer)
+            index.complete_disk_read(transfer)
 
     @rule(pick=st.integers(0, 99))
     def drop_slot(self, pick: int) -> None:

@@ -17,6 +17,8 @@ class CostModel(Protocol):
 
     def restore_seconds(self, host_bytes: int) -> float: ...
 
+    def disk_read_seconds(self, disk_bytes: int) -> float: ...
+
 
 @dataclass(frozen=True, slots=True)
 class CacheCostModel:
@@ -36,10 +38,18 @@ class CacheCostModel:
     h2d_bytes_per_s: float = 25.0e9
     batch_latency_s: float = 50.0e-6
     """Fixed cost of one host-to-device restore batch."""
+    disk_read_bytes_per_s: float = 1.5e9
+    """Disk tier reads into the host tier. O_DIRECT reads of whole records from a thread pool
+    reached 0.9-1.5 GiB/s on the development VM's disk (docs/notes/disk-io.md), well below a
+    pinned copy's bandwidth: a device or host source nearly as deep wins over a read. A local
+    NVMe drive reads faster; a deployment replaces it with its own figure."""
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens <= 0 or self.h2d_bytes_per_s <= 0:
-            raise ValueError("chunk_tokens and h2d_bytes_per_s must be positive")
+        rates = (self.h2d_bytes_per_s, self.disk_read_bytes_per_s)
+        if self.chunk_tokens <= 0 or min(rates) <= 0:
+            raise ValueError(
+                "chunk_tokens, h2d_bytes_per_s and disk_read_bytes_per_s must be positive"
+            )
 
     def prefill_seconds(self, base: int, tokens: int) -> float:
         """Seconds to prefill ``tokens`` new tokens after ``base`` cached ones.
@@ -58,3 +68,8 @@ class CacheCostModel:
         if host_bytes <= 0:
             return 0.0
         return host_bytes / self.h2d_bytes_per_s + self.batch_latency_s
+
+    def disk_read_seconds(self, disk_bytes: int) -> float:
+        """Seconds to read ``disk_bytes`` from the disk tier into the host tier (before their
+        restore from the host, priced apart)."""
+        return disk_bytes / self.disk_read_bytes_per_s

@@ -26,6 +26,7 @@ from vllm_hpc.index.cache_load import LoadedCache, load_saved
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.eviction_order import value_key
+from vllm_hpc.index.host_eviction import snapshot_pinned
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.invariants import check_invariants
 from vllm_hpc.index.journal import Journal, JournalEvent
@@ -41,6 +42,7 @@ from vllm_hpc.index.source_choice import (
     MatchResult,
     classify,
     lookup,
+    record_read,
     source_options,
 )
 from vllm_hpc.index.stats import CacheStats
@@ -130,11 +132,20 @@ class PrefixIndex:
         given. Read-only."""
         return lookup(self.store.tree, prompt, limit)
 
-    def quote(self, match: MatchResult, growth_pages: GrowthPages) -> AdmissionQuote:
-        """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only."""
+    def quote(
+        self, match: MatchResult, growth_pages: GrowthPages, disk: bool = True
+    ) -> AdmissionQuote:
+        """Choose a source by cost and classify it by page arithmetic (§6.2, §6.3). Read-only.
+        A source with ``disk_bytes`` needs `plan_disk_read` before it can be acquired;
+        ``disk=False`` quotes only sources that need none."""
         store = self.store
         options = source_options(
-            match, store.lru, store.value.cost, store.value.geometry, store.row_pages_given_way
+            match,
+            store.lru,
+            store.value.cost,
+            store.value.geometry,
+            store.row_pages_given_way,
+            disk and store.disk_slabs.enabled,
         )
         readiness, source, need = classify(
             options, growth_pages, store.available_pages, store.usable_pages
@@ -153,6 +164,8 @@ class PrefixIndex:
             raise ValueError(f"cannot acquire a {quote.readiness.value} quote")
         if not self.is_current(quote):
             raise StaleQuoteError(f"quote of tick {quote.epoch}, cache at tick {store.tick}")
+        if source.disk_bytes:
+            raise ValueError("the source needs a disk read first (plan_disk_read)")
         store.advance()
         lease = Lease(store.tree.root_for(quote.match.prompt.cache_salt))
         store.ref(lease.root, 1)
@@ -352,9 +365,11 @@ class PrefixIndex:
         self.stats.disk_writes_failed += 1
 
     def plan_disk_read(self, snapshot: Snapshot) -> DiskRead | None:
-        """Read ``snapshot``'s disk-only parts (path blocks, image, tail) into new host slabs,
-        evicting from the host as for a hit, so a host restore can follow (§4 of the plan).
-        None when nothing is disk-only, a copy of it is landing, a path block has only a device
+        """Read what only the disk holds of ``snapshot`` and its path into new host slabs,
+        evicting from the host as for a hit, so a host restore can follow (§4 of the plan):
+        the path's disk-only blocks, and its image and tail as one record (the journal's CRC
+        covers both) where the host holds neither and the device does not hold all it needs.
+        None when nothing is to read, a copy of it is landing, a path block has only a device
         copy (the device LRU may drop it, and a disk read pins no device page), or the host
         has no room."""
         store = self.store
@@ -363,13 +378,13 @@ class PrefixIndex:
         path = snapshot.anchor.path()
         if any(not node.media - {Medium.DEVICE} or _filling(node) for node in path):
             return None
-        if _filling_snapshot(snapshot):
+        record = record_read(snapshot, disk=True)
+        if record is None or _filling_snapshot(snapshot):
             return None
         disk_only = frozenset((Medium.DISK,))
         blocks = [node for node in path if node.media == disk_only]
-        read_image = snapshot.image_media == disk_only
-        read_tail = bool(snapshot.tail) and snapshot.tail_media == disk_only
-        image_count = store.value.geometry.image_slabs if read_image else 0
+        image_count = store.value.geometry.image_slabs if record else 0
+        read_tail = record and bool(snapshot.tail)
         count = len(blocks) + image_count + read_tail
         if not count:
             return None
@@ -392,7 +407,7 @@ class PrefixIndex:
         if tail:
             assert snapshot.tail_disk_slab is not None
             tail_pair = (snapshot.tail_disk_slab, tail[0])
-        if image or tail:
+        if image:
             store.fill_snapshot_host(snapshot, image, tail[0] if tail else None)
         image_disk = snapshot.image_disk_slabs if image else ()
         read = DiskRead(snapshot, tuple(copies), image_disk, tuple(image), tail_pair)
@@ -405,19 +420,37 @@ class PrefixIndex:
         self._finish(read)
         for copy in read.blocks:
             self.store.land_host(copy.node)
-        if read.image_slabs or read.tail is not None:
+        if read.image_slabs:
             self.store.land_snapshot_host(read.snapshot)
         self.store.disk_pin_snapshot(read.snapshot, -1)
 
-    def fail_disk_read(self, read: DiskRead) -> None:
-        """The read did not land: its host slabs are free again, the disk copies unpinned and
-        kept (dropping a record that fails its check is the read path's, §4 of the plan)."""
+    def fail_disk_read(self, read: DiskRead, damaged: Sequence[BlockNode | Snapshot] = ()) -> int:
+        """The read did not land: its host slabs are free again and the disk copies unpinned.
+        The ``damaged`` records (a path block, the snapshot) failed their check: their disk
+        copies go, and where one was a last copy what depends on it (§9.4), so that a lookup
+        finds a shallower source. A record another transfer still holds stays (a later read
+        checks it again). Returns the records dropped."""
         self._finish(read)
+        store = self.store
         for copy in read.blocks:
-            self.store.cancel_host(copy.node)
-        self.store.cancel_snapshot_host(read.snapshot)
-        self.store.disk_pin_snapshot(read.snapshot, -1)
+            store.cancel_host(copy.node)
+        if read.image_slabs:
+            store.cancel_snapshot_host(read.snapshot)
+        store.disk_pin_snapshot(read.snapshot, -1)
         self.stats.disk_reads_failed += 1
+        dropped = 0
+        for entry in damaged:
+            if isinstance(entry, Snapshot):
+                if entry not in store.snapshots or not entry.holds_disk or snapshot_pinned(entry):
+                    continue
+                store.drop_snapshot_disk(entry)
+            else:
+                if entry.disk is not Residency.RESIDENT or entry.slabs_held:
+                    continue
+                store.drop_node_disk(entry)
+            dropped += 1
+        self.stats.disk_records_dropped += dropped
+        return dropped
 
     # -- active pages -----------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Lookup results, source choice and the capacity arithmetic of admission (§6.1-§6.3).
 
-No search: at most three sources (root, the deepest snapshot s*, the deepest fully
-device-resident snapshot s_dev), each priced by the cost model, then one page-count check per
-source in fallback order.
+No search: at most four sources (root, the deepest snapshot s*, the deepest one needing no disk
+read s_host, the deepest fully device-resident snapshot s_dev), each priced by the cost model,
+then one page-count check per source in fallback order.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.prompt import PreparedPrompt
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.transfers import Restore
-from vllm_hpc.index.types import BLOCK_TOKENS, Residency, Tick
+from vllm_hpc.index.types import BLOCK_TOKENS, Medium, Residency, Tick
 
 GrowthPages = Callable[[int], int]
 """``growth_pages(F)``: pages the sequence itself needs when it resumes at frontier F.
@@ -65,7 +65,8 @@ class SourceOption:
     """None for the root (prefill from token 0)."""
     frontier: int
     host_bytes: int
-    """Bytes restored from the host: path blocks, image and tail not on the device."""
+    """Bytes restored from the host: path blocks, image and tail not on the device (those
+    only the disk holds included: they are read into the host first)."""
     restore_pages: int
     """Cache-owned device pages the restore fills: host-only path blocks and tail."""
     cow_pages: int
@@ -74,6 +75,9 @@ class SourceOption:
     """Pages counted as available that this admission pins itself (its path's and tail's LRU
     entries, its image's row): not available to it."""
     seconds: float
+    disk_bytes: int = 0
+    """Bytes read from the disk tier into the host first (`DiskRead`): path blocks and the
+    snapshot's image and tail that only the disk holds."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -132,67 +136,100 @@ def source_options(
     cost: CostModel,
     geometry: HostGeometry,
     row_pages: Callable[[Snapshot], int] = lambda snapshot: 0,
+    disk: bool = True,
 ) -> list[SourceOption]:
-    """[s*, s_dev, root] without repeats, in fallback order (§6.2, §6.3).
+    """[s*, s_host, s_dev, root] without repeats, in fallback order (§6.2, §6.3): the deepest
+    usable candidate, the deepest that needs no disk read, the deepest with nothing off the
+    device, the root.
 
-    Candidates whose path, image or tail another admission is still filling, or that only the
-    disk holds (a disk read must bring it to the host first), are skipped.
+    Candidates whose path, image or tail another transfer is still filling are skipped. Parts
+    only the disk holds are read into the host first (`PrefixIndex.plan_disk_read`, a snapshot's
+    image and tail as the one record the journal checks), then restored like host parts: their
+    bytes cost the disk's read time on top. ``disk=False`` skips candidates that need a read.
     ``row_pages(s)``: pages the available count holds for snapshot s's row, which admitting
     from s pins (`CacheStore.row_pages_given_way`).
     """
     n = match.prompt.num_tokens
     # Prefix counts over the path, as deep as the deepest candidate's anchor.
     path = match.path[: match.candidates[-1].anchor.depth + 1] if match.candidates else []
-    states = [node.device for node in path]
-    host_before = [0, *accumulate(state is Residency.ABSENT for state in states)]
+    restored_before = [0, *accumulate(node.device is Residency.ABSENT for node in path)]
+    read_before = [0, *accumulate(_disk_only(node) for node in path)]
     lru_before = [0, *accumulate(node in lru for node in path)]
     usable_depth = next(
-        (depth for depth, node in enumerate(path) if not _restorable(node.device, node.host)),
+        (depth for depth, node in enumerate(path) if not _restorable(node, disk)),
         len(path),
     )
 
     def option(snapshot: Snapshot) -> SourceOption | None:
         blocks = snapshot.anchor.depth + 1
-        if blocks > usable_depth:
+        record = record_read(snapshot, disk)
+        if blocks > usable_depth or record is None:
             return None
-        if snapshot.tail and not _restorable(snapshot.tail_device, snapshot.tail_host):
-            return None
-        if snapshot.slot is None and snapshot.image_host is not Residency.RESIDENT:
-            return None
-        tail_on_host = bool(snapshot.tail) and snapshot.tail_device is Residency.ABSENT
-        host_bytes = (host_before[blocks] + tail_on_host) * geometry.block_bytes
+        tail_restored = bool(snapshot.tail) and snapshot.tail_device is Residency.ABSENT
+        host_bytes = (restored_before[blocks] + tail_restored) * geometry.block_bytes
         if snapshot.slot is None:
             host_bytes += geometry.image_bytes
+        disk_bytes = read_before[blocks] * geometry.block_bytes
+        if record:
+            disk_bytes += geometry.image_bytes + (geometry.block_bytes if snapshot.tail else 0)
         frontier = snapshot.frontier
+        seconds = cost.disk_read_seconds(disk_bytes) + cost.restore_seconds(host_bytes)
         return SourceOption(
             snapshot=snapshot,
             frontier=frontier,
             host_bytes=host_bytes,
-            restore_pages=host_before[blocks] + tail_on_host,
+            restore_pages=restored_before[blocks] + tail_restored,
             cow_pages=1 if snapshot.tail else 0,
             own_evictable=lru_before[blocks] + (snapshot in lru) + row_pages(snapshot),
-            seconds=cost.restore_seconds(host_bytes) + cost.prefill_seconds(frontier, n - frontier),
+            seconds=seconds + cost.prefill_seconds(frontier, n - frontier),
+            disk_bytes=disk_bytes,
         )
 
     usable = [o for o in map(option, reversed(match.candidates)) if o is not None]
     options = usable[:1]
-    device = next((o for o in usable if o.host_bytes == 0), None)
-    if device is not None and device is not usable[0]:
-        options.append(device)
+    for shallower in (
+        next((o for o in usable if o.disk_bytes == 0), None),
+        next((o for o in usable if o.host_bytes == 0), None),
+    ):
+        if shallower is not None and shallower not in options:
+            options.append(shallower)
     options.append(SourceOption(None, 0, 0, 0, 0, 0, cost.prefill_seconds(0, n)))
     return options
 
 
-def _restorable(device: Residency, host: Residency) -> bool:
-    """A copy an admission can use now: on the device, or else to restore from the host."""
-    return device is Residency.RESIDENT or (
-        device is Residency.ABSENT and host is Residency.RESIDENT
-    )
+def _restorable(node: BlockNode, disk: bool) -> bool:
+    """A copy an admission can use now: on the device, or else to restore from the host, or
+    (``disk``) else to read from the disk first."""
+    if node.device is not Residency.ABSENT:
+        return node.device is Residency.RESIDENT
+    return node.host is Residency.RESIDENT or (disk and _disk_only(node))
+
+
+def _disk_only(node: BlockNode) -> bool:
+    return node.media == {Medium.DISK} and Residency.FILLING not in (node.device, node.host)
+
+
+def record_read(snapshot: Snapshot, disk: bool) -> bool | None:
+    """Whether admitting from ``snapshot`` reads its image-and-tail record from disk first;
+    None when the snapshot cannot serve now. The slab tiers hold the image and the tail
+    together, so the host serves both or the disk does (its CRC covers both)."""
+    tail_wanted = bool(snapshot.tail) and snapshot.tail_device is not Residency.RESIDENT
+    if snapshot.tail_device is Residency.FILLING:
+        return None
+    if snapshot.slot is not None and not tail_wanted:
+        return False
+    image_on_host = snapshot.slot is not None or snapshot.image_host is Residency.RESIDENT
+    if image_on_host and (not tail_wanted or snapshot.tail_host is Residency.RESIDENT):
+        return False
+    if disk and not snapshot.holds_host and Medium.DISK in snapshot.media:
+        return True
+    return None
 
 
 def choose(options: list[SourceOption]) -> SourceOption:
-    """Minimum estimated seconds; ties favour fewer transferred bytes, then fallback order."""
-    return min(options, key=lambda o: (o.seconds, o.host_bytes))
+    """Minimum estimated seconds; ties favour fewer bytes read, then restored, then fallback
+    order."""
+    return min(options, key=lambda o: (o.seconds, o.disk_bytes, o.host_bytes))
 
 
 def classify(

@@ -53,7 +53,11 @@ class CacheStats:
     """Disk writes that found no disk room worth taking (the snapshot stays off disk)."""
     disk_writes_failed: int = 0
     disk_reads: int = 0
+    """Snapshots (with the disk-only blocks of their paths) planned to read into the host."""
     disk_reads_failed: int = 0
-    """Reads whose records failed: those disk copies are dropped."""
+    """Reads that did not land (a record failed its check, or a read error)."""
+    disk_records_dropped: int = 0
+    """Disk copies of records that failed a read's check, dropped (with what hangs from them
+    where they were last copies)."""
     nodes_deleted: int = 0
     snapshots_deleted: int = 0

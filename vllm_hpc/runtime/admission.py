@@ -1,10 +1,17 @@
-"""Admission: a waiting request's lookup, its wait for a sibling (in-flight coalescing), the
-prefetch a blocked head gets, and the admission itself: source, state row, pages.
+"""Admission: a waiting request's lookup, its wait for a sibling (in-flight coalescing) or for
+a read from the disk tier, the prefetch a blocked head gets, and the admission itself: source,
+state row, pages.
 
 A lookup is read-only for the index (§6.1-§6.3). `admit` takes a state row, the quoted source
 and the first chunk's pages, or returns None and the request waits; vLLM keeps the queue's head
 waiting, so nothing behind it overtakes it. The state row comes out of the same device pages as
 KV (§5.4), so the quote counts it among the pages the request needs.
+
+A source with parts only the disk holds is not admitted: `admit` plans their read into the host
+tier and the request waits, as a blocked head does (§6.6), until the read has been reported;
+its next lookup then finds them on the host and restores them as any host source (disk-tier
+plan §4). A read that fails drops the damaged records, and the next lookup finds a shallower
+source.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ from vllm_hpc.index import (
     Readiness,
     Restore,
     RowId,
+    Snapshot,
     SnapshotKind,
     TapPlanner,
     pages_for,
     plan_exact_tap,
 )
+from vllm_hpc.index.transfers import DiskRead
+from vllm_hpc.index.types import Medium
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import HostRestore, ImageCopy, PageCopy, PageSlab, StateCopy
@@ -48,6 +58,10 @@ class Admission:
         self._prepared: dict[str, PreparedPrompt] = {}
         self._waited: set[str] = set()
         """Waiting requests that held back for a sibling's snapshot (§12.2)."""
+        self._reads: dict[str, DiskRead] = {}
+        """Waiting requests' reads from the disk tier, in flight or landed."""
+        self._no_disk: set[str] = set()
+        """Waiting requests whose read found no host room: they are quoted without the disk."""
 
     def leave(self, lane: Lane) -> None:
         """The lane finished: it no longer counts against the cap (its row goes when its last
@@ -80,7 +94,8 @@ class Admission:
             return Lookup(None, 0, [])
         prompt = self._prepared[request.request_id] = self._prompt(request)
         match = self.index.match(prompt, request.read_limit)
-        quote = self.index.quote(match, self._growth(n, with_row=True))
+        disk = request.request_id not in self._no_disk
+        quote = self.index.quote(match, self._growth(n, with_row=True), disk)
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
                 f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
@@ -171,9 +186,40 @@ class Admission:
         self.pipeline.prefetch(HostRestore(blocks, None, None), prefetch)
 
     def forget(self, request_id: str) -> None:
-        """The request was admitted or left the queue: drop what its lookups kept."""
+        """The request was admitted or left the queue: drop what its lookups kept (a read
+        still in flight lands for the cache all the same)."""
         self._prepared.pop(request_id, None)
         self._waited.discard(request_id)
+        self._reads.pop(request_id, None)
+        self._no_disk.discard(request_id)
+
+    def _read_from_disk(self, request_id: str, quote: AdmissionQuote) -> bool:
+        """Whether the request waits for a read from the disk tier: one in flight, or one its
+        quote's source needs, planned now. A read the host has no room for is given up: the
+        request is quoted without the disk from its next lookup on."""
+        read = self._reads.get(request_id)
+        if read is not None and self.pipeline.reading(read):
+            return True
+        source = quote.source
+        if source is None or not source.disk_bytes:
+            return False
+        assert source.snapshot is not None
+        if self.index.is_current(quote):
+            read = self.index.plan_disk_read(source.snapshot)
+            if read is None:
+                self._no_disk.add(request_id)
+            else:
+                self.pipeline.disk_read(read)
+                self._reads[request_id] = read
+        return True
+
+    def _hit_medium(self, request_id: str, source: Snapshot | None, from_host: bool) -> Medium:
+        """Where an admission's prefix came from, for the hit counters: the disk when its
+        source is what a read of its own brought to the host."""
+        read = self._reads.get(request_id)
+        if from_host and read is not None and read.snapshot is source:
+            return Medium.DISK
+        return Medium.HOST if from_host else Medium.DEVICE
 
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
@@ -181,13 +227,15 @@ class Admission:
         """Take a state row, the source and pages for the first chunk; None: no room now,
         counting the decode pages the running requests are still owed and its own
         (`RuntimeConfig.decode_reserve_tokens`)."""
-        if len(self.live) >= self.config.active_cap:
-            return None
         frontier = lookup.frontier
         quote = lookup.quote
-        end = frontier + num_new_tokens + lookahead
         if lookup.sibling is not None:
             return None
+        if quote is not None and self._read_from_disk(request.request_id, quote):
+            return None  # before the cap: the read runs while the request waits for room
+        if len(self.live) >= self.config.active_cap:
+            return None
+        end = frontier + num_new_tokens + lookahead
         if quote is not None and quote.readiness is not Readiness.READY:
             return None
         need = pages_for(end) - frontier // BLOCK_TOKENS + self._lane_pages
@@ -217,9 +265,10 @@ class Admission:
         pages: list[PageId] = []
         private: set[PageId] = set()
         lease = None
+        source = None
         if quote is not None:
             grant = self.index.acquire(quote)
-            lease = grant.lease
+            lease, source = grant.lease, grant.source
             pages = [node.device_page for node in lease.path]  # type: ignore[misc]
             restore = grant.restore
             if restore is not None:
@@ -247,9 +296,12 @@ class Admission:
         self.live.add(lane)
         if request.request_id in self._waited:
             self.counters.coalesced_requests += 1
+        hit = self._hit_medium(request.request_id, source, from_host)
         self.forget(request.request_id)
         self.counters.prompt_tokens += len(request.token_ids)
-        if from_host:
+        if hit is Medium.DISK:
+            self.counters.hit_tokens_disk += frontier
+        elif hit is Medium.HOST:
             self.counters.hit_tokens_host += frontier
         else:
             self.counters.hit_tokens_device += frontier

@@ -22,7 +22,9 @@ hold the timing rules that keep every copy exact.
 Host tier (§6.4, §7.6): write-through batches (released blocks, published snapshots) join the
 plan and complete when the workers report them (`complete_writes`); until then the index keeps
 their sources pinned. A restore from the host lands before the admitted request's first forward
-pass reads each layer, so it completes at the next step, like a device restore.
+pass reads each layer, so it completes at the next step, like a device restore. Disk tier:
+write-behind and reads complete when every worker reported them (`complete_disk_writes`,
+`complete_disk_read`, `fail_disk_read`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, Save
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.journal import JournalEvent
-from vllm_hpc.index.transfers import DiskWrite
+from vllm_hpc.index.transfers import DiskRead, DiskWrite
 from vllm_hpc.runtime.admission import Admission
 from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
@@ -96,7 +98,7 @@ class HybridPrefixCache:
 
     @property
     def disk(self) -> DiskCounters:
-        """Bytes the disk tier wrote."""
+        """Bytes the disk tier wrote and read."""
         return self.pipeline.disk
 
     # -- step boundaries --------------------------------------------------------------------
@@ -130,6 +132,12 @@ class HybridPrefixCache:
 
     def fail_disk_writes(self, batch: int) -> list[DiskWrite]:
         return self.pipeline.fail_disk_writes(batch)
+
+    def complete_disk_read(self, batch: int) -> DiskRead | None:
+        return self.pipeline.complete_disk_read(batch)
+
+    def fail_disk_read(self, batch: int, failed: Sequence[int]) -> tuple[DiskRead, int] | None:
+        return self.pipeline.fail_disk_read(batch, failed)
 
     def take_new_pages(self) -> list[PageId]:
         return self.pipeline.take_new_pages()
@@ -248,14 +256,15 @@ class HybridPrefixCache:
         return self.index.drain_events()
 
     def reset(self) -> bool:
-        """Drop every cached entry; refused (False) while a request runs.
+        """Drop every cached entry; refused (False) while a request runs or a disk read is in
+        flight (its threads write host slabs a reset would hand out afresh).
 
         What finished requests left pending goes with it. Copies not yet handed to the workers
         are dropped. Those handed out run before any later step's copies and passes, so they
         cannot disturb a page or slot given out afresh, and a host write still landing writes a
         slab before any later write to it (one stream).
         """
-        if self.admission.live:
+        if self.admission.live or self.pipeline.reads_in_flight:
             return False
         self.pipeline.reset()
         self.captures.retiring.clear()

@@ -11,7 +11,10 @@ after a plan was handed out follows from that:
 - write-through records (released blocks, published snapshots) join the plan as one batch and
   complete when the workers report the batch (`complete_writes`);
 - with a disk tier, each plan carries the step's write-behind (`PrefixIndex.plan_disk_writes`)
-  as one batch, completed or failed when every worker reported it (`complete_disk_writes`).
+  as one batch, completed or failed when every worker reported it (`complete_disk_writes`);
+- a waiting request's disk read (`PrefixIndex.plan_disk_read`) joins the plan as a batch of its
+  own, completed when every worker checked its records, or failed with the records that did
+  not pass (`complete_disk_read`, `fail_disk_read`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from vllm_hpc.index import (
     Restore,
     SnapshotWrite,
 )
-from vllm_hpc.index.transfers import DiskWrite
+from vllm_hpc.index.block_tree import BlockNode
+from vllm_hpc.index.snapshot import Snapshot
+from vllm_hpc.index.transfers import DiskRead, DiskWrite
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.plan import (
+    DiskReadBatch,
     DiskWriteBatch,
     HostRestore,
     HostWrite,
@@ -69,6 +75,9 @@ class StepPipeline:
         """Handed-out write batches the workers have not reported done, by batch number."""
         self._disk_writing: dict[int, list[DiskWrite]] = {}
         """Handed-out write-behind batches not yet reported by every worker, by batch number."""
+        self._disk_reading: dict[int, DiskRead] = {}
+        """Disk reads planned and not yet reported by every worker, by batch number."""
+        self._reads_planned = 0
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -157,6 +166,43 @@ class StepPipeline:
             self.index.fail_disk_write(write)
         return writes
 
+    def disk_read(self, read: DiskRead) -> None:
+        """A waiting request's read from the disk tier: a batch of the plan being built."""
+        batch = self._reads_planned
+        self._reads_planned += 1
+        self.plan.disk_reads.append(DiskReadBatch(batch, tuple(disk_records(read))))
+        self._disk_reading[batch] = read
+
+    def reading(self, read: DiskRead) -> bool:
+        """Whether ``read`` has not been reported by every worker yet."""
+        return read in self._disk_reading.values()
+
+    @property
+    def reads_in_flight(self) -> bool:
+        return bool(self._disk_reading)
+
+    def complete_disk_read(self, batch: int) -> DiskRead | None:
+        """Every worker read and checked this batch: the host copies are resident. None for a
+        batch no longer tracked."""
+        read = self._disk_reading.pop(batch, None)
+        if read is not None:
+            self.index.complete_disk_read(read)
+            slabs = sum(len(record.disk) for record in disk_records(read))
+            self.disk.read_bytes += slabs * self.geometry.slab_bytes
+        return read
+
+    def fail_disk_read(self, batch: int, failed: Sequence[int]) -> tuple[DiskRead, int] | None:
+        """A worker could not read this batch whole: its host slabs are free again, and the
+        ``failed`` records (by their place in the batch) lose their disk copies. The read and
+        the records dropped; None for a batch no longer tracked."""
+        read = self._disk_reading.pop(batch, None)
+        if read is None:
+            return None
+        records: list[BlockNode | Snapshot] = [copy.node for copy in read.blocks]
+        records.append(read.snapshot)  # the record after the blocks, where the read has one
+        damaged = [records[index] for index in failed]
+        return read, self.index.fail_disk_read(read, damaged)
+
     def take_new_pages(self) -> list[PageId]:
         """Pages allocated since the last call (vLLM zeroes them before the step's copies)."""
         pages, self._new_pages = self._new_pages, []
@@ -236,14 +282,16 @@ class StepPipeline:
             or plan.host_writes
             or plan.host_restores
             or plan.prefetches
+            or plan.disk_reads
         )
         return not (self._deferred or planned or self.transfers_pending)
 
     @property
     def transfers_pending(self) -> int:
-        """Index transfers this pipeline will complete: restores, prefetches, writes."""
+        """Index transfers this pipeline will complete: restores, prefetches, writes, reads."""
         writing = sum(len(records) for records in self._writing.values())
         writing += sum(len(writes) for writes in self._disk_writing.values())
+        writing += len(self._disk_reading)
         return len(self._landing) + len(self._prefetching) + len(self._write_batch) + writing
 
     def reset(self) -> None:
@@ -260,14 +308,18 @@ class StepPipeline:
             pending.clear()
         self._writing.clear()
         self._disk_writing.clear()
+        self._disk_reading.clear()
 
 
-def disk_records(write: DiskWrite) -> list[SlabRecord]:
-    """A write-behind's records in the order the workers report their CRCs: each block of
-    its path, then the snapshot (image slabs, then the tail slab)."""
-    records = [SlabRecord((copy.slab,), (copy.disk_slab,)) for copy in write.blocks]
-    host, disk = write.image_slabs, write.image_disk_slabs
-    if write.tail is not None:
-        host, disk = (*host, write.tail[0]), (*disk, write.tail[1])
-    records.append(SlabRecord(tuple(host), tuple(disk)))
+def disk_records(transfer: DiskWrite | DiskRead) -> list[SlabRecord]:
+    """A disk transfer's records in the order the workers move and check them: each block of
+    its path, then the snapshot (image slabs, then the tail slab), which a read may leave out."""
+    records = [SlabRecord((copy.slab,), (copy.disk_slab,)) for copy in transfer.blocks]
+    host, disk = transfer.image_slabs, transfer.image_disk_slabs
+    if isinstance(transfer, DiskWrite) and transfer.tail is not None:
+        host, disk = (*host, transfer.tail[0]), (*disk, transfer.tail[1])
+    elif isinstance(transfer, DiskRead) and transfer.tail is not None:
+        host, disk = (*host, transfer.tail[1]), (*disk, transfer.tail[0])
+    if host:
+        records.append(SlabRecord(tuple(host), tuple(disk)))
     return records

@@ -98,9 +98,9 @@ class HostRestore:
 
 @dataclass(frozen=True, slots=True)
 class SlabRecord:
-    """One record of the disk tier, host slabs to disk slabs pairwise in its byte order: a
-    block's slab, or a snapshot's image slabs then its tail slab. The journal's CRC-32 is over
-    a record's bytes."""
+    """One record of the disk tier, host slabs and disk slabs pairwise in its byte order, in
+    either direction: a block's slab, or a snapshot's image slabs then its tail slab. The
+    journal's CRC-32 is over a record's bytes."""
 
     host: tuple[int, ...]
     disk: tuple[int, ...]
@@ -110,6 +110,16 @@ class SlabRecord:
 class DiskWriteBatch:
     """Write-behind of one batch, host -> disk (disk-tier plan §1); each worker reports
     ``batch`` landed with one CRC-32 per record, or failed."""
+
+    batch: int
+    records: tuple[SlabRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskReadBatch:
+    """One snapshot's disk-only records read back, disk -> host, for a waiting request
+    (disk-tier plan §4); each worker checks every record against its CRC-32 in the journal
+    and reports ``batch`` ended with the records that failed."""
 
     batch: int
     records: tuple[SlabRecord, ...]
@@ -130,3 +140,5 @@ class StepPlan:
     """Blocks for a waiting request (§6.6): no pass of this step reads them, so none waits."""
     disk_writes: list[DiskWriteBatch] = field(default_factory=list)
     """Host slabs to the disk tier, off the engine thread: no pass waits for them."""
+    disk_reads: list[DiskReadBatch] = field(default_factory=list)
+    """The disk tier to host slabs, off the engine thread: their requests wait for them."""

@@ -17,6 +17,9 @@ class AdmissionCounters:
     """Tokens served from a snapshot (and its blocks) resident on the device."""
     hit_tokens_host: int = 0
     """Tokens served from a snapshot restored (in part) from the host tier."""
+    hit_tokens_disk: int = 0
+    """Tokens served from a snapshot read (in part) from the disk tier, then restored from the
+    host tier."""
     coalesced_requests: int = 0
     """Queue heads admitted after waiting for a running sibling's snapshot (§12.2); requests
     queued behind a waiting head are not counted."""
@@ -32,9 +35,11 @@ class HostCounters:
 
 @dataclass(slots=True)
 class DiskCounters:
-    """Bytes the disk tier wrote: batches every worker reported durable."""
+    """Bytes the disk tier moved: write batches every worker reported durable, read batches
+    every worker reported checked."""
 
     write_bytes: int = 0
+    read_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -89,6 +94,7 @@ ADMISSION = (
         "Prompt tokens served from the hybrid prefix cache",
         device="hit_tokens_device",
         host="hit_tokens_host",
+        disk="hit_tokens_disk",
     ),
     Metric(
         "coalesced_requests",
@@ -140,6 +146,16 @@ INDEX = (
         "Snapshots whose write-behind a worker failed to make durable (nothing journaled)",
     ),
     Metric(
+        "disk_reads_failed",
+        "vllm:hpc_disk_reads_failed",
+        "Reads from the disk tier that did not land (their requests recompute)",
+    ),
+    Metric(
+        "disk_records_dropped",
+        "vllm:hpc_disk_records_dropped",
+        "Disk tier records that failed a read's check, dropped",
+    ),
+    Metric(
         "blocks_prefetched",
         "vllm:hpc_host_prefetched_blocks",
         "Host-only blocks copied to the device while their request waited at the queue's head",
@@ -165,7 +181,11 @@ HOST = _by(
 )
 """`HostCounters` fields, prefixed ``host_``."""
 DISK = _by(
-    "what", "vllm:hpc_disk_bytes", "Bytes moved by the disk tier", written="disk_write_bytes"
+    "what",
+    "vllm:hpc_disk_bytes",
+    "Bytes moved by the disk tier",
+    written="disk_write_bytes",
+    read="disk_read_bytes",
 )
 """`DiskCounters` fields, prefixed ``disk_``."""
 AUDIT = (

@@ -212,8 +212,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
             "Directory of the cache's disk tier, under the host tier: snapshots and their "
             "blocks are written behind from host slabs to a slab file per worker "
             "(DIR/engine<k>/rank<r>.slabs) and journaled (DIR/engine<k>/journal); a restart "
-            "finds them there. Needs --disk-cache-gib and a host tier (--host-cache-mib). "
-            + _HYBRID_ONLY
+            "finds them there, and a hit reads them back (a damaged record is recomputed). "
+            "Needs --disk-cache-gib and a host tier (--host-cache-mib). " + _HYBRID_ONLY
         ),
         parse=_path,
     ),

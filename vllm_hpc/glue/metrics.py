@@ -7,16 +7,18 @@ the previous step, levels as current values.
 
 Prometheus names (in vLLM's namespace, as its own connectors' metrics are, so vLLM's registry
 handling covers them; all with vLLM's `model_name` and `engine` labels):
-- `vllm:hpc_prompt_tokens` and `vllm:hpc_hit_tokens{source="device"}`: admitted prompt tokens
-  and those served from the cache, by source;
+- `vllm:hpc_prompt_tokens` and `vllm:hpc_hit_tokens{source="device"|"host"|"disk"}`: admitted
+  prompt tokens and those served from the cache, by source (disk: read back, then restored);
 - `vllm:hpc_snapshots_published`, `vllm:hpc_snapshots_duplicate`, `vllm:hpc_taps_skipped`;
 - `vllm:hpc_blocks_committed{outcome="inserted"|"duplicate"}`;
 - `vllm:hpc_evictions{what="page_backed"|"page_unbacked"|"snapshot_slot"|"node"|"snapshot"}`;
 - `vllm:hpc_host_bytes{what="written"|"restored"}` and, measured by the workers,
   `vllm:hpc_host_transfer_seconds{what=...}`: their ratio over any window is the host tier's
   copy bandwidth;
-- `vllm:hpc_disk_bytes{what="written"}` (write-behind batches every worker made durable and
-  the journal recorded) and `vllm:hpc_disk_writes_failed`;
+- `vllm:hpc_disk_bytes{what="written"|"read"}` (write-behind batches every worker made durable
+  and the journal recorded; reads every worker checked), `vllm:hpc_disk_writes_failed`,
+  `vllm:hpc_disk_reads_failed` and `vllm:hpc_disk_records_dropped` (records a read found
+  damaged);
 - gauges `vllm:hpc_snapshots`, `vllm:hpc_snapshot_slots_used`, `vllm:hpc_active_slots_used`,
   `vllm:hpc_device_pages_free`, `vllm:hpc_device_pages_evictable`,
   `vllm:hpc_device_pages_state` (pages holding states: running requests', snapshots', the
@@ -39,6 +41,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS, WORKER_COUNTERS, WORKER_LEVELS
 
 _COUNTERS = {m.name: m for m in (*COUNTERS, *WORKER_COUNTERS)}
+_HITS = [m.name for m in COUNTERS if m.family == "vllm:hpc_hit_tokens"]
+"""`vllm:hpc_hit_tokens` by source: the cache's hits, wherever they came from."""
 _LEVELS = {m.name: m for m in (*LEVELS, *WORKER_LEVELS)}
 
 
@@ -61,7 +65,7 @@ class HybridPrefixStats(KVConnectorStats):
         summary: dict[str, int | float] = {k: v for k, v in self.data.items() if v}
         prompt = self.data.get("prompt_tokens", 0)
         if prompt:
-            hits = self.data.get("hit_tokens_device", 0) + self.data.get("hit_tokens_host", 0)
+            hits = sum(self.data.get(name, 0) for name in _HITS)
             summary["hit_rate"] = round(hits / prompt, 3)
         return summary
 

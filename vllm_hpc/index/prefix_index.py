@@ -717,9 +717,9 @@ class PrefixIndex:
         cache_salt: str | None = None,
     ) -> BlockNode:
         """Rebuild a journaled block disk-only (disk-tier plan §5) under ``parent``, a block
-        loaded before it, or None: the root of ``cache_salt``. Source choice passes disk-only
-        entries by until disk reads serve hits. ValueError, before any change, for a block that
-        exists, a slab that is taken or malformed tokens."""
+        loaded before it, or None: the root of ``cache_salt``; a hit reads it back
+        (`plan_disk_read`). ValueError, before any change, for a block that exists, a slab that
+        is taken or malformed tokens."""
         store = self.store
         if len(tokens) != BLOCK_BYTES_PACKED:
             raise ValueError(f"a block holds {BLOCK_TOKENS} tokens, got {len(tokens) // 4}")

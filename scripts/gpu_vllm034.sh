@@ -12,8 +12,9 @@
 #                                                     #47's comparison, one engine at a time,
 #                                                     each of vLLM's defaults, native-best and
 #                                                     hybrid-prefix: the replay (mix, branching,
-#                                                     agent loop) into DIR/replay, or load.py into
-#                                                     DIR/load ($CONFIGS: fewer of them); from a
+#                                                     agent loop; $WORKLOADS: fewer) into
+#                                                     DIR/replay, or load.py into DIR/load
+#                                                     ($CONFIGS: fewer configurations); from a
 #                                                     copy of the tree (start it detached with
 #                                                     scripts/gpu_jobs.sh)
 set -euo pipefail
@@ -42,7 +43,7 @@ case "${1:-}" in
     fi
     mkdir -p "$3/$2"
     case "$2" in
-      replay) OUT="$3/replay" WORKLOADS="mix,branching,agent loop" \
+      replay) OUT="$3/replay" WORKLOADS="${WORKLOADS:-mix,branching,agent loop}" \
         bash "$0" replay "${CONFIGS:-native,native-best,hybrid-prefix-host}" ;;
       load) OUT="$3/load" bash "$0" load "${CONFIGS:-native,native-best,hybrid-prefix}" ;;
       *) echo "measure replay|load DIR" >&2; exit 2 ;;

@@ -280,6 +280,8 @@ def engine_kwargs(
     }
     if args.speculative_config is not None:
         limits["speculative_config"] = args.speculative_config
+    if args.max_num_seqs is not None:
+        limits["max_num_seqs"] = args.max_num_seqs
     if args.kv_cache_gib is not None:
         # vLLM then skips its memory profiling; the share is only checked free at start-up.
         limits["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -435,6 +437,12 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
         "--resume", type=Path, help="JSON of an earlier run: keep its configurations"
     )
     parser.add_argument("--plan", action="store_true", help="print workload sizes, no engine")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="vLLM's max_num_seqs on every side (default: vLLM's); an H100 holds fewer state "
+        "rows of the 27B shape than vLLM 0.34's default asks for",
+    )
     add_eager_option(parser, scope="GPU: ")
     add_load_format_option(parser)
     add_tensor_parallel_option(parser)

@@ -28,7 +28,8 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider "$@" ;;
   replay)
     python3 benchmarks/replay.py --profile gpu --model .gpu/model27b-vl \
-      --workloads "${WORKLOADS:-mix}" --configs "$2" --out "$OUT" ${RESUME:+--resume "$RESUME"} ;;
+      --workloads "${WORKLOADS:-mix}" --configs "$2" --out "$OUT" ${RESUME:+--resume "$RESUME"} \
+      ${MAX_NUM_SEQS:+--max-num-seqs "$MAX_NUM_SEQS"} ${NATIVE_RETENTION:+--native-retention "$NATIVE_RETENTION"} ;;
   load)
     python3 benchmarks/load.py --model .gpu/model27b-vl --configs "$2" --out "$OUT" \
       --budget-s 100000 ${LOAD_RESUME:+--resume "$LOAD_RESUME"} ;;

@@ -34,7 +34,7 @@ VISION = {
 PROCESSOR_FILES = ("processor_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def build(text_config: Path, out: Path) -> None:
+def build(text_config: Path, out: Path, state_dtype: str = "float32") -> None:
     text = json.loads(text_config.read_text())
     text.pop("architectures", None)
     text["model_type"] = "qwen3_5_text"
@@ -45,7 +45,7 @@ def build(text_config: Path, out: Path) -> None:
         "mrope_section": sections,
         "mrope_interleaved": True,
     }
-    text["mamba_ssm_dtype"] = "float32"  # the recurrent state's dtype the published configs ask
+    text["mamba_ssm_dtype"] = state_dtype  # the published configs ask float32
     text.setdefault("mtp_num_hidden_layers", 1)  # as published; used only with MTP speculation
     tiny = tiny_model_path(VISION_RECIPE)
     ids = json.loads((tiny / "config.json").read_text())
@@ -68,8 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text-config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--state-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the recurrent state's dtype (mamba_ssm_dtype): the published float32, or bfloat16 "
+        "to compare against (#48)",
+    )
     args = parser.parse_args()
-    build(args.text_config, args.out)
+    build(args.text_config, args.out, args.state_dtype)
     print(f"wrote {args.out}")
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, after the last piece of scripts/unpack_vllm034.sh: the vLLM 0.34 runs
-# of issue #47. The replay carries .gpu/model27b-vl (benchmarks/vision_model.py's 27B-shape config
-# with the published float32 state and one MTP layer).
+# of issues #47 and #48. The replay carries .gpu/model27b-vl (benchmarks/vision_model.py's 27B-shape
+# config with the published float32 state and one MTP layer); $MODEL names another (e.g. one built
+# with --state-dtype bfloat16).
 #   bash scripts/gpu_vllm034.sh tests [PYTEST ARGS]   FlashInfer's kernels once, then CUDA tests
 #   bash scripts/gpu_vllm034.sh replay CONFIGS        the replay's workloads ($WORKLOADS, default
 #                                                     mix) on the 27B VL shape, into $OUT;
@@ -27,11 +28,11 @@ case "${1:-}" in
     bash scripts/unpack_vllm034.sh smoke
     python3 -m pytest -q -p no:cacheprovider "$@" ;;
   replay)
-    python3 benchmarks/replay.py --profile gpu --model .gpu/model27b-vl \
+    python3 benchmarks/replay.py --profile gpu --model "${MODEL:-.gpu/model27b-vl}" \
       --workloads "${WORKLOADS:-mix}" --configs "$2" --out "$OUT" ${RESUME:+--resume "$RESUME"} \
       ${MAX_NUM_SEQS:+--max-num-seqs "$MAX_NUM_SEQS"} ${NATIVE_RETENTION:+--native-retention "$NATIVE_RETENTION"} ;;
   load)
-    python3 benchmarks/load.py --model .gpu/model27b-vl --configs "$2" --out "$OUT" \
+    python3 benchmarks/load.py --model "${MODEL:-.gpu/model27b-vl}" --configs "$2" --out "$OUT" \
       --budget-s 100000 ${LOAD_RESUME:+--resume "$LOAD_RESUME"} ;;
   measure)
     # From a private copy: each device call lays the checkout out again, and an engine started

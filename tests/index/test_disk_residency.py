@@ -230,6 +230,45 @@ def test_a_disk_only_snapshot_is_read_back_then_restored_from_the_host() -> None
     assert index.stats.disk_reads == 1
 
 
+def test_a_kept_read_stays_on_the_host_until_its_request_releases_it() -> None:
+    """A landed read's copies are disk-backed, which host eviction takes first (§9.3): kept
+    for the request waiting for them, they stay until it is admitted or leaves."""
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 14)
+    to_disk(h)
+    disk_only(h, snapshot)
+    index, store = h.index, h.index.store
+    read = index.plan_disk_read(snapshot)
+    assert read is not None
+    index.complete_disk_read(read, keep=True)
+    h.check()
+    assert index.holds_read(read) and snapshot.disk_pins == 1
+    assert not store.make_host_room(store.slabs.capacity)  # pinned: nothing of it goes
+    assert snapshot.media == {Medium.HOST, Medium.DISK}
+    assert all(Medium.HOST in node.media for node in snapshot.anchor.path())
+    assert not index.reset()  # a kept read is a pin held
+    h.check()
+    index.release_disk_read(read)
+    h.check()
+    assert not index.holds_read(read) and snapshot.disk_pins == 0
+    with pytest.raises(ValueError, match="not kept"):
+        index.release_disk_read(read)
+    assert store.make_host_room(store.slabs.capacity)
+    assert snapshot.media == {Medium.DISK}
+
+
+def test_a_read_landed_unkept_is_unpinned_at_once() -> None:
+    h = Harness(make_index(host_slabs=20, disk_slabs=20))
+    _, snapshot = tapped(h, 15)
+    to_disk(h)
+    disk_only(h, snapshot)
+    read = h.index.plan_disk_read(snapshot)
+    assert read is not None
+    h.index.complete_disk_read(read)
+    h.check()
+    assert not h.index.holds_read(read) and snapshot.disk_pins == 0
+
+
 def test_a_read_takes_only_what_is_on_disk_alone() -> None:
     h = Harness(make_index(host_slabs=20, disk_slabs=20))
     _, snapshot = tapped(h, 9)

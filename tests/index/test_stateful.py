@@ -93,6 +93,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.pressure: list[list[PageId]] = []
         self.prefetches: list[Prefetch] = []
         self.disk_transfers: list[DiskWrite | DiskRead] = []
+        self.kept_reads: list[DiskRead] = []
+        """Landed reads kept pinned for the request that waits for them."""
         self.waiting = [self.index.prepare_prompt(tokens) for tokens in HEADS]
         """Waiting requests, each with its prepared prompt kept from step to step, as the runtime
         keeps it; the first is the queue's head."""
@@ -372,10 +374,16 @@ class IndexMachine(RuleBasedStateMachine):
             self.disk_transfers.append(read)
 
     @precondition(lambda self: bool(self.disk_transfers))
-    @rule(pick=st.integers(0, 99), fail=st.booleans(), damaged=st.sets(st.integers(0, 7)))
-    def land_disk_transfer(self, pick: int, fail: bool, damaged: set[int]) -> None:
+    @rule(
+        pick=st.integers(0, 99),
+        fail=st.booleans(),
+        damaged=st.sets(st.integers(0, 7)),
+        keep=st.booleans(),
+    )
+    def land_disk_transfer(self, pick: int, fail: bool, damaged: set[int], keep: bool) -> None:
         """A transfer lands or fails; a failed read's ``damaged`` records (by their place in
-        the read: its blocks, then the snapshot) lose their disk copies."""
+        the read: its blocks, then the snapshot) lose their disk copies. ``keep``: a landed
+        read stays pinned for the request waiting for it."""
         transfer = self.disk_transfers.pop(pick % len(self.disk_transfers))
         index = self.index
         if isinstance(transfer, DiskWrite):
@@ -384,7 +392,18 @@ class IndexMachine(RuleBasedStateMachine):
             records = [*(copy.node for copy in transfer.blocks), transfer.snapshot]
             index.fail_disk_read(transfer, [records[i] for i in damaged if i < len(records)])
         else:
-            index.complete_disk_read(transfer)
+            index.complete_disk_read(transfer, keep)
+            assert index.holds_read(transfer) is keep
+            if keep:
+                self.kept_reads.append(transfer)
+
+    @precondition(lambda self: bool(self.kept_reads))
+    @rule(pick=st.integers(0, 99))
+    def release_kept_read(self, pick: int) -> None:
+        """The request a kept read waited for was admitted or left."""
+        read = self.kept_reads.pop(pick % len(self.kept_reads))
+        self.index.release_disk_read(read)
+        assert not self.index.holds_read(read)
 
     @rule(pick=st.integers(0, 99))
     def drop_slot(self, pick: int) -> None:
@@ -424,7 +443,12 @@ class IndexMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         idle = not (
-            self.running or self.writes or self.pressure or self.prefetches or self.disk_transfers
+            self.running
+            or self.writes
+            or self.pressure
+            or self.prefetches
+            or self.disk_transfers
+            or self.kept_reads
         )
         assert self.index.reset() is idle
         if idle:
@@ -439,7 +463,12 @@ class IndexMachine(RuleBasedStateMachine):
         state: what is in flight is not flushable)."""
         index = self.index
         idle = not (
-            self.running or self.writes or self.pressure or self.prefetches or self.disk_transfers
+            self.running
+            or self.writes
+            or self.pressure
+            or self.prefetches
+            or self.disk_transfers
+            or self.kept_reads
         )
         saved = index.export_saved()
         if stop:

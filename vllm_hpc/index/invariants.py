@@ -146,7 +146,8 @@ def _check_holds(
     in_flight: set[Transfer],
 ) -> None:
     """Refs come from open leases, pins from in-flight transfers, disk pins from in-flight disk
-    transfers (which pin no device page); all path-closed (§10.3)."""
+    transfers (which pin no device page) and from landed reads kept for their waiting request
+    (`PrefixIndex.complete_disk_read`); all path-closed (§10.3)."""
     refs: Counter[BlockNode] = Counter()
     for lease in leases:
         refs.update([lease.root, *lease.path])

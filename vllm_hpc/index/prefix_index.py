@@ -111,6 +111,8 @@ class PrefixIndex:
         """Internal state, exposed for tests and diagnostics: mutate only through this facade."""
         self._leases: set[Lease] = set()
         self._in_flight: set[Transfer] = set()
+        self._kept_reads: set[DiskRead] = set()
+        """Landed disk reads whose pins stay until their request is admitted or leaves."""
         self._fruitless: _FruitlessPrefetch | None = None
 
     # -- lookup and admission ---------------------------------------------------------------
@@ -415,13 +417,30 @@ class PrefixIndex:
         self.stats.disk_reads += 1
         return read
 
-    def complete_disk_read(self, read: DiskRead) -> None:
-        """The read's host slabs hold the records: they are host copies like any other."""
+    def complete_disk_read(self, read: DiskRead, keep: bool = False) -> None:
+        """The read's host slabs hold the records: they are host copies like any other. With
+        ``keep`` its disk pin stays until `release_disk_read`: the copies it brought are
+        disk-backed, so host eviction would take them first (§9.3) before the request waiting
+        for them is admitted, and it would read them again."""
         self._finish(read)
         for copy in read.blocks:
             self.store.land_host(copy.node)
         if read.image_slabs:
             self.store.land_snapshot_host(read.snapshot)
+        if keep:
+            self._kept_reads.add(read)
+        else:
+            self.store.disk_pin_snapshot(read.snapshot, -1)
+
+    def holds_read(self, read: DiskRead) -> bool:
+        """Whether ``read`` landed and is kept pinned (`complete_disk_read` with ``keep``)."""
+        return read in self._kept_reads
+
+    def release_disk_read(self, read: DiskRead) -> None:
+        """The request a kept read waited for was admitted or left: its copies are unpinned."""
+        if read not in self._kept_reads:
+            raise ValueError("the read is not kept")
+        self._kept_reads.remove(read)
         self.store.disk_pin_snapshot(read.snapshot, -1)
 
     def fail_disk_read(self, read: DiskRead, damaged: Sequence[BlockNode | Snapshot] = ()) -> int:
@@ -655,9 +674,10 @@ class PrefixIndex:
     # -- maintenance ------------------------------------------------------------------------
 
     def reset(self) -> bool:
-        """Empty the cache; refused (False) while any sequence, capture or transfer is open."""
+        """Empty the cache; refused (False) while any sequence, capture, transfer or kept read
+        is open."""
         store = self.store
-        if self._leases or self._in_flight or store.slots.staging:
+        if self._leases or self._in_flight or self._kept_reads or store.slots.staging:
             return False
         if store.pages.pages_in(PageState.ACTIVE) or store.active_rows:
             return False
@@ -666,13 +686,14 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Empty the cache whatever is open. For a caller that drops, with it, every lease,
-        capture and transfer it still tracks (an engine with no request running)."""
+        capture, transfer and kept read it still tracks (an engine with no request running)."""
         self._leases.clear()
         self._in_flight.clear()
         self._renew_store()
 
     def _renew_store(self) -> None:
         self.store = CacheStore(self.config, self.stats, self.journal)
+        self._kept_reads.clear()
         self._fruitless = None
         if self.journal is not None:
             self.journal.cleared()
@@ -778,7 +799,7 @@ class PrefixIndex:
 
     def check_invariants(self) -> None:
         """Rebuild every derived structure from scratch and compare (raises InvariantError)."""
-        check_invariants(self.store, self._leases, self._in_flight)
+        check_invariants(self.store, self._leases, self._in_flight | self._kept_reads)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from engine_support import cache_of, greedy, greedy_params, random_prompt, small_pool_llm, tokens
 
+from vllm_hpc import faults
 from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.glue.scheduler.disk_tier import DiskTier
 from vllm_hpc.glue.worker.disk_store import disk_journal_path, disk_slab_path
@@ -323,3 +324,46 @@ def test_a_damaged_record_is_dropped_and_its_request_recomputes_the_cold_tokens(
     assert_cold(out, cold)
     settle_writes(restarted)
     assert key not in replayed(tier).live  # journaled as dropped
+
+
+def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
+    restarted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`disk_slow` keeps the read of a prefix only the disk holds in flight a while. Its
+    request steps aside (the connector's "not yet"), so short requests submitted behind it are
+    scheduled in the very step whose plan carries its read, before the read can have landed;
+    it is then admitted from the host copies the read brought (kept pinned until then: one
+    read, no re-read), counts disk hit tokens and decodes the cold run's tokens."""
+    cache = cache_of(restarted)
+    engine = restarted.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    prompt = random_prompt(seed=770, length=1500)
+    cold = cold_run(restarted, prompt)
+    snapshot = read_on_hit(restarted, prompt, seed=780)
+    hits, reads = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads
+    monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_slow"}))
+    disk = engine.add_request("disk", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    shorts = {f"short-{i}": random_prompt(seed=790 + i, length=70) for i in range(3)}
+    engine_ids = {
+        rid: engine.add_request(rid, {"prompt_token_ids": short}, greedy_params(2))
+        for rid, short in shorts.items()
+    }
+    outputs = {out.request_id: out for out in engine.step()}
+    assert cache.index.stats.disk_reads == reads + 1  # planned in this step, handed out with it
+    assert scheduler.requests[disk].num_computed_tokens == 0
+    assert "disk" not in outputs
+    for rid, short in shorts.items():
+        assert scheduler.requests[engine_ids[rid]].num_computed_tokens == len(short)
+        assert len(tokens(outputs[rid])) == 1
+    cache.audit()  # the read and, once landed, its pin are accounted for
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step())
+    monkeypatch.setattr(faults, "_ARMED", frozenset())
+    out = outputs["disk"]
+    assert out.finished and all(outputs[rid].finished for rid in shorts)
+    assert out.num_cached_tokens == snapshot.frontier > 0
+    assert cache.admissions.hit_tokens_disk - hits == snapshot.frontier
+    assert cache.index.stats.disk_reads == reads + 1
+    assert_cold(out, cold)
+    settle_writes(restarted)
+    assert snapshot.disk_pins == 0  # released at its admission

@@ -9,7 +9,9 @@ model runners (V1 on CPU, V2 on CUDA), in both directions. The hybrid prefix cac
   layers save during it (`vllm_hpc.glue.worker.in_pass`);
 - the host tier: write-through batches after them, and restores that overlap the forward pass
   (attention layers wait in `wait_for_layer_load`, GDN layers in the state pool);
-- back to the scheduler: the write batches that have landed (`build_connector_worker_meta`).
+- back to the scheduler: the write batches that have landed (`build_connector_worker_meta`);
+- a waiting request whose prefix is being read from the disk tier steps aside
+  (`get_num_new_matched_tokens` answers "not yet"), so the requests behind it are scheduled.
 
 Attention page copies travel in vLLM's own `kv_cache_block_copies`.
 """
@@ -75,8 +77,8 @@ class HybridPrefixConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        return 0, False  # the cache's hits are the manager's, not an external load
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         return None

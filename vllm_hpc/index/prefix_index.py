@@ -797,6 +797,11 @@ class PrefixIndex:
         """Transfers planned and not yet completed."""
         return len(self._in_flight)
 
+    @property
+    def num_kept_reads(self) -> int:
+        """Landed disk reads kept pinned for their waiting requests."""
+        return len(self._kept_reads)
+
     def check_invariants(self) -> None:
         """Rebuild every derived structure from scratch and compare (raises InvariantError)."""
         check_invariants(self.store, self._leases, self._in_flight | self._kept_reads)

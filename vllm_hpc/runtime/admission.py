@@ -7,11 +7,14 @@ and the first chunk's pages, or returns None and the request waits; vLLM keeps t
 waiting, so nothing behind it overtakes it. The state row comes out of the same device pages as
 KV (§5.4), so the quote counts it among the pages the request needs.
 
-A source with parts only the disk holds is not admitted: `admit` plans their read into the host
-tier and the request waits, as a blocked head does (§6.6), until the read has been reported;
-its next lookup then finds them on the host and restores them as any host source (disk-tier
-plan §4). A read that fails drops the damaged records, and the next lookup finds a shallower
-source.
+A source with parts only the disk holds is not admitted: `disk_wait` plans their read into the
+host tier, and while it is in flight the request steps aside (the connector's "not yet" to
+vLLM), so the requests behind it are scheduled; its next lookup after the read has been
+reported finds them on the host and restores them as any host source (disk-tier plan §4). The
+landed read stays pinned until then: its copies are disk-backed, which host eviction takes
+first. `admit` plans the read too, for a request vLLM does not let step aside (one bounded in
+what it reads): it then waits as a blocked head does (§6.6). A read that fails drops the
+damaged records, and the next lookup finds a shallower source.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class Admission:
         self._waited: set[str] = set()
         """Waiting requests that held back for a sibling's snapshot (§12.2)."""
         self._reads: dict[str, DiskRead] = {}
-        """Waiting requests' reads from the disk tier, in flight or landed."""
+        """Waiting requests' reads from the disk tier, in flight or landed (and then kept
+        pinned by the index until the request is admitted or leaves)."""
         self._no_disk: set[str] = set()
         """Waiting requests whose read found no host room: they are quoted without the disk."""
 
@@ -190,15 +194,43 @@ class Admission:
         still in flight lands for the cache all the same)."""
         self._prepared.pop(request_id, None)
         self._waited.discard(request_id)
-        self._reads.pop(request_id, None)
+        self._drop_read(request_id)
         self._no_disk.discard(request_id)
+
+    def _drop_read(self, request_id: str) -> None:
+        """The request no longer awaits its read: a landed one is unpinned (one in flight
+        lands for the cache all the same, unpinned)."""
+        read = self._reads.pop(request_id, None)
+        if read is not None and self.index.holds_read(read):
+            self.index.release_disk_read(read)
+
+    def awaits(self, read: DiskRead) -> bool:
+        """Whether a waiting request still awaits ``read``: it stays pinned once landed."""
+        return read in self._reads.values()
+
+    @property
+    def kept_reads(self) -> int:
+        """Waiting requests' landed reads the index keeps pinned for them (the audit's count)."""
+        return sum(self.index.holds_read(read) for read in self._reads.values())
+
+    def reading_for(self, request_id: str) -> bool:
+        """Whether the request's read from the disk tier is in flight."""
+        read = self._reads.get(request_id)
+        return read is not None and self.pipeline.reading(read)
+
+    def disk_wait(self, request_id: str, lookup: Lookup) -> bool:
+        """Whether the request steps aside for a read from the disk tier (in flight, or
+        planned now for its lookup's source) rather than be admitted: vLLM then schedules
+        the requests behind it. One waiting for a sibling is `admit`'s to hold back."""
+        if lookup.quote is None or lookup.sibling is not None:
+            return False
+        return self._read_from_disk(request_id, lookup.quote)
 
     def _read_from_disk(self, request_id: str, quote: AdmissionQuote) -> bool:
         """Whether the request waits for a read from the disk tier: one in flight, or one its
         quote's source needs, planned now. A read the host has no room for is given up: the
         request is quoted without the disk from its next lookup on."""
-        read = self._reads.get(request_id)
-        if read is not None and self.pipeline.reading(read):
+        if self.reading_for(request_id):
             return True
         source = quote.source
         if source is None or not source.disk_bytes:
@@ -206,6 +238,7 @@ class Admission:
         assert source.snapshot is not None
         if self.index.is_current(quote):
             read = self.index.plan_disk_read(source.snapshot)
+            self._drop_read(request_id)  # a read landed before serves no longer
             if read is None:
                 self._no_disk.add(request_id)
             else:

@@ -134,7 +134,7 @@ class HybridPrefixCache:
         return self.pipeline.fail_disk_writes(batch)
 
     def complete_disk_read(self, batch: int) -> DiskRead | None:
-        return self.pipeline.complete_disk_read(batch)
+        return self.pipeline.complete_disk_read(batch, self.admission.awaits)
 
     def fail_disk_read(self, batch: int, failed: Sequence[int]) -> tuple[DiskRead, int] | None:
         return self.pipeline.fail_disk_read(batch, failed)
@@ -155,6 +155,12 @@ class HybridPrefixCache:
 
     def forget(self, request_id: str) -> None:
         self.admission.forget(request_id)
+
+    def disk_wait(self, request_id: str, lookup: Lookup) -> bool:
+        return self.admission.disk_wait(request_id, lookup)
+
+    def reading_for(self, request_id: str) -> bool:
+        return self.admission.reading_for(request_id)
 
     def admit(
         self, request: RequestInfo, lookup: Lookup, num_new_tokens: int, lookahead: int = 0
@@ -215,9 +221,9 @@ class HybridPrefixCache:
         return values
 
     def audit(self) -> None:
-        """Check the index's invariants and that every private page, state row, lease and
-        transfer is accounted for by a running request, a pending capture, the quarantine or a
-        copy in flight (tests)."""
+        """Check the index's invariants and that every private page, state row, lease,
+        transfer and kept disk read is accounted for by a running request, a pending capture,
+        the quarantine, a copy in flight or a waiting request (tests)."""
         self.index.check_invariants()
         live = self.admission.live | set(self.captures.retiring)
         expected = {p for lane in live for p in lane.private}
@@ -239,6 +245,11 @@ class HybridPrefixCache:
         if self.index.num_in_flight != transfers:
             raise InvariantError(
                 f"index has {self.index.num_in_flight} transfers in flight, expected {transfers}"
+            )
+        if self.index.num_kept_reads != self.admission.kept_reads:
+            raise InvariantError(
+                f"index keeps {self.index.num_kept_reads} landed disk reads pinned, "
+                f"{self.admission.kept_reads} awaited by waiting requests"
             )
         leases = sum(lane.lease is not None for lane in live)
         if self.index.num_leases != leases:

@@ -19,7 +19,7 @@ after a plan was handed out follows from that:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vllm_hpc.index import (
     BlockWrite,
@@ -181,12 +181,13 @@ class StepPipeline:
     def reads_in_flight(self) -> bool:
         return bool(self._disk_reading)
 
-    def complete_disk_read(self, batch: int) -> DiskRead | None:
-        """Every worker read and checked this batch: the host copies are resident. None for a
-        batch no longer tracked."""
+    def complete_disk_read(self, batch: int, keep: Callable[[DiskRead], bool]) -> DiskRead | None:
+        """Every worker read and checked this batch: the host copies are resident, pinned
+        while ``keep`` says a waiting request still awaits the read. None for a batch no
+        longer tracked."""
         read = self._disk_reading.pop(batch, None)
         if read is not None:
-            self.index.complete_disk_read(read)
+            self.index.complete_disk_read(read, keep(read))
             slabs = sum(len(record.disk) for record in disk_records(read))
             self.disk.read_bytes += slabs * self.geometry.slab_bytes
         return read

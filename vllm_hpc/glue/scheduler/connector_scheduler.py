@@ -1,6 +1,7 @@
 """The scheduler's half of `HybridPrefixConnector`: it hands each step's worker plan to the
 workers and completes the write batches every worker has landed (the disk tier's, and its
-reads, through its journal, `disk_tier.py`); it reports the cache's counters and levels."""
+reads, through its journal, `disk_tier.py`); it lets a request waiting for a disk read step
+aside; it reports the cache's counters and levels."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ class ConnectorScheduler:
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._manager = kv_cache_manager  # vllm_hpc's manager: it has no vLLM block pool
+
+    def get_num_new_matched_tokens(self, request: Any) -> tuple[int | None, bool]:
+        """No external tokens: the cache's hits are the manager's. None ("not yet") while the
+        request's prefix is being read from the disk tier: vLLM then keeps it in its place in
+        the queue, allocates nothing and schedules the requests behind it; a request bounded
+        in what it reads is answered 0 by vLLM whatever this says, and waits in
+        `Admission.admit` instead."""
+        if self._manager.disk_wait(request.request_id):
+            return None, False
+        return 0, False
 
     def stats(self) -> HybridPrefixStats | None:
         if self._manager is None:  # asked before the scheduler built its manager

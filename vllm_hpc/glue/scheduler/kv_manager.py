@@ -208,15 +208,30 @@ class HybridPrefixKVCacheManager:
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
         """Tokens the cache serves for a waiting request, at most ``max_cache_hit_length``
-        (its pages come in `get_blocks`)."""
+        (its pages come in `get_blocks`). While its read from the disk tier is in flight, the
+        lookup that planned it stands: the request steps aside until the read lands
+        (`disk_wait`), so matching it again every step would find nothing new."""
+        rid = request.request_id
         info = request_info(request, self._keys(request), max_cache_hit_length)
-        try:
-            lookup = self.cache.lookup(info)
-        except InfeasibleRequest as error:
-            self.unservable[request.request_id] = str(error)
-            return self.empty_kv_cache_blocks, 0, 0
-        self._lookups[request.request_id] = lookup
+        lookup = self._lookups.get(rid)
+        if (
+            lookup is None
+            or lookup.read_limit != info.read_limit
+            or not self.cache.reading_for(rid)
+        ):
+            try:
+                lookup = self.cache.lookup(info)
+            except InfeasibleRequest as error:
+                self.unservable[rid] = str(error)
+                return self.empty_kv_cache_blocks, 0, 0
+        self._lookups[rid] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
+
+    def disk_wait(self, request_id: str) -> bool:
+        """Whether the waiting request steps aside this step for a read from the disk tier
+        that its lookup, just made, needs (`Admission.disk_wait`)."""
+        lookup = self._lookups.get(request_id)
+        return lookup is not None and self.cache.disk_wait(request_id, lookup)
 
     def get_num_cached_tokens(self, request: Any) -> int:
         """Tokens the cache would serve the request now, without admitting it (vLLM 0.34's

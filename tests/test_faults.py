@@ -102,8 +102,7 @@ def _from_host(llm: Any) -> int:
 
 
 def _land_writes(llm: Any) -> None:
-    """Short steps until every write batch was issued, landed and reported (each issue takes
-    its thread `SLOW_ISSUE_SECONDS` under `host_issue_slow`)."""
+    """Short steps until every write batch was issued, landed and reported."""
     pipeline = cache_of(llm).pipeline
     deadline = time.monotonic() + 300
     while pipeline.writes_in_flight() and time.monotonic() < deadline:
@@ -120,31 +119,40 @@ def _steps(llm: Any, count: int) -> None:
 def test_a_slow_write_issue_holds_back_no_engine_step(
     cold: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`host_issue_slow`: issuing every write-through batch takes its thread half a second, as
-    when the copies fill the driver's launch queue behind a long forward pass (#48). The engine
-    thread hands the batches over and goes on stepping, as the worker's own step records show;
-    the written prompt then comes back from the host exactly."""
+    """`host_issue_slow`: every write-through batch's issue waits on the issuer's thread until
+    the test opens the gate, as when the copies fill the driver's launch queue behind a long
+    forward pass (#48). The engine thread hands the batches over and goes on stepping, as the
+    worker's own step records show; once the gate opens they land, and the written prompt
+    comes back from the host exactly."""
     monkeypatch.setattr(faults, "_ARMED", frozenset({"host_issue_slow"}))
-    with small_pool_llm(RESUME_PATHS) as llm:
-        cache = cache_of(llm)
-        written = random_prompt(seed=70, length=1500)
-        assert_same_up_to_near_tie(greedy(llm, [written], 8)[0], cold, written, 8)
-        assert cache.pipeline.writes_in_flight()
-        _steps(llm, 4)  # steps bound while the first batches are still being issued
-        beside = llm.collective_rpc(steps_beside_write_issue)
-        assert min(beside) > 0, beside
-        _land_writes(llm)
-        restored = _from_host(llm)
-        for seed in range(72, 76):  # device pressure: the written prompt's device copies go
-            greedy(llm, [random_prompt(seed=seed, length=1500)], 4)
-        # Pages whose writes are in flight stay put, so a restore would not fit and the prompt
-        # would be computed from the root (§6.3): let them land first.
-        _land_writes(llm)
-        out = greedy(llm, [written], 8)[0]
-        assert _from_host(llm) > restored, llm.collective_rpc(issued_copies)
-        assert out.num_cached_tokens > 0
-        assert_same_up_to_near_tie(out, cold, written, 8)
-        settle_and_audit(llm)
+    faults.ISSUE_GATE.clear()
+    try:
+        with small_pool_llm(RESUME_PATHS) as llm:
+            _resume_beside_held_issues(llm, cold)
+    finally:
+        faults.ISSUE_GATE.clear()
+
+
+def _resume_beside_held_issues(llm: Any, cold: Any) -> None:
+    written = random_prompt(seed=70, length=1500)
+    assert_same_up_to_near_tie(greedy(llm, [written], 8)[0], cold, written, 8)
+    assert cache_of(llm).pipeline.writes_in_flight()  # held at the gate
+    _steps(llm, 4)
+    beside = llm.collective_rpc(steps_beside_write_issue)
+    assert min(beside) >= 4, beside
+    faults.ISSUE_GATE.set()
+    _land_writes(llm)
+    restored = _from_host(llm)
+    for seed in range(72, 76):  # device pressure: the written prompt's device copies go
+        greedy(llm, [random_prompt(seed=seed, length=1500)], 4)
+    # Pages whose writes are in flight stay put, so a restore would not fit and the prompt
+    # would be computed from the root (§6.3): let them land first.
+    _land_writes(llm)
+    out = greedy(llm, [written], 8)[0]
+    assert _from_host(llm) > restored, llm.collective_rpc(issued_copies)
+    assert out.num_cached_tokens > 0
+    assert_same_up_to_near_tie(out, cold, written, 8)
+    settle_and_audit(llm)
 
 
 def test_slow_host_copies_in_flight_at_a_cancel_a_reset_and_under_pressure(

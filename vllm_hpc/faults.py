@@ -15,10 +15,11 @@ Each point is documented where it fires; tests arm them in the processes they st
   after it was issued, and on CUDA every host copy stream first sleeps `SLOW_COPY_CYCLES`, so a
   write, restore or prefetch is still in flight when a cancellation, an eviction or a reset
   lands;
-- `host_issue_slow`: issuing every write-through batch first sleeps `SLOW_ISSUE_SECONDS` on the
-  write issuer's thread (used on CPU too while armed), as when its copies fill the driver's
-  launch queue behind a long forward pass (#48): the engine thread must go on stepping
-  meanwhile;
+- `host_issue_slow`: issuing every write-through batch first waits on the write issuer's thread
+  (used on CPU too while armed) until `ISSUE_GATE` opens, at most `SLOW_ISSUE_SECONDS`, as when
+  its copies fill the driver's launch queue behind a long forward pass (#48): the engine thread
+  must go on stepping meanwhile. The gate starts closed; an in-process test opens it when the
+  batches may land;
 - `save_slow`: every slab the prefix cache file saves first sleeps `SLOW_SAVE_SECONDS`, so a
   second stop signal or a kill lands in the middle of a save;
 - `disk_write`, `disk_read`: every run of disk slabs a write or read batch moves fails with EIO
@@ -32,13 +33,15 @@ Each point is documented where it fires; tests arm them in the processes they st
 from __future__ import annotations
 
 import os
+import threading
 
 FAULTS_ENV = "VLLM_HPC_FAULTS"
 SLOW_COPY_STEPS = 8
 SLOW_COPY_CYCLES = 100_000_000
 """GPU clock cycles `torch.cuda._sleep` spins: about 50 ms at 2 GHz."""
 SLOW_SAVE_SECONDS = 0.01
-SLOW_ISSUE_SECONDS = 0.5
+SLOW_ISSUE_SECONDS = 60.0
+ISSUE_GATE = threading.Event()
 SLOW_DISK_SECONDS = 0.05
 _ARMED = frozenset(f for f in os.environ.get(FAULTS_ENV, "").split(",") if f)
 

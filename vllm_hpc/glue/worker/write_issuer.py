@@ -15,12 +15,11 @@ makes them block (the CPU test of the thread).
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vllm_hpc.faults import SLOW_ISSUE_SECONDS, armed
+from vllm_hpc.faults import ISSUE_GATE, SLOW_ISSUE_SECONDS, armed
 from vllm_hpc.glue.worker.call_clock import HostCallClock
 from vllm_hpc.glue.worker.copy_ranges import CopyRanges
 from vllm_hpc.glue.worker.host_arena import CopyTiming, HostArena, TransferHandle
@@ -83,7 +82,7 @@ class WriteIssuer:
     ) -> TransferHandle:
         with self.clock.timed("write issue", f"{what}, {len(ranges)} copies"):
             if armed("host_issue_slow"):
-                time.sleep(SLOW_ISSUE_SECONDS)
+                ISSUE_GATE.wait(SLOW_ISSUE_SECONDS)
             return self._arena.issue_write(ranges, after)
 
 

@@ -351,13 +351,13 @@ def _cache_file_options(path: Any, **options: Any) -> PluginOptions:
 
 def test_prefix_cache_file_is_made_absolute(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.chdir(tmp_path)
-    assert _cache_file_options("cache.bin").prefix_cache_file == str(tmp_path / "cache.bin")
+    assert _cache_file_options("cache").prefix_cache_file == str(tmp_path / "cache")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert _cache_file_options("~/c.bin").prefix_cache_file == str(tmp_path / "c.bin")
+    assert _cache_file_options("~/c").prefix_cache_file == str(tmp_path / "c")
 
 
 def test_prefix_cache_file_flag_reaches_additional_config(tmp_path: Path) -> None:
-    path = tmp_path / "cache.bin"
+    path = tmp_path / "cache"
     argv = ["--model", "m", "--kv-cache-manager", "hybrid-prefix", "--prefix-cache-file"]
     args = _parse([*argv, str(path)])
     assert PluginOptions.from_additional_config(args.additional_config).prefix_cache_file == (
@@ -368,26 +368,35 @@ def test_prefix_cache_file_flag_reaches_additional_config(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("where", "options", "message"),
     [
-        ("dir", {}, r"^--prefix-cache-file .* is a directory"),
-        ("missing/cache.bin", {}, r"^--prefix-cache-file .*: the directory .* does not exist"),
-        ("locked/cache.bin", {}, r"^--prefix-cache-file .*: this server cannot create files"),
-        ("cache.bin", {"host_cache_mib": 0}, r"^--prefix-cache-file saves the host tier.*0"),
-        ("cache.bin", {"no_prefix_reuse": True}, r"^--prefix-cache-file has no effect with"),
+        ("file", {}, r"^--prefix-cache-file .* is a file: .* no longer read; move or delete"),
+        ("file/cache", {}, r"^--prefix-cache-file .*: .* is not a directory"),
+        ("locked/cache", {}, r"^--prefix-cache-file .*: this server cannot create files"),
+        ("cache", {"host_cache_mib": 0}, r"^--prefix-cache-file keeps the host tier .*0"),
+        ("cache", {"no_prefix_reuse": True}, r"^--prefix-cache-file has no effect with"),
         ("", {}, r"^--prefix-cache-file: expected a file path"),
+        (
+            "cache",
+            {"disk_cache_dir": "tier", "disk_cache_gib": 1},
+            r"^--prefix-cache-file is an alias of --disk-cache-dir .* not --prefix-cache-file "
+            r"and --disk-cache-dir",
+        ),
+        ("cache", {"disk_cache_gib": 1}, r"^--prefix-cache-file .* and --disk-cache-gib"),
     ],
 )
-def test_prefix_cache_file_the_server_cannot_write_is_refused(
+def test_a_prefix_cache_file_the_server_cannot_have_is_refused_naming_the_option(
     tmp_path: Path, where: str, options: dict[str, Any], message: str, monkeypatch: Any
 ) -> None:
-    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_bytes(b"VHPC cache of an earlier version")
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     # Root writes anywhere: answer os.access as the server's user would for the locked one.
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    monkeypatch.chdir(tmp_path)
     path = str(tmp_path / where) if where else ""
     with pytest.raises(OptionError, match=message):
         _cache_file_options(path, **options)
+    assert (tmp_path / "file").read_bytes() == b"VHPC cache of an earlier version"
 
 
 def test_prefix_cache_file_requires_hybrid_prefix(tmp_path: Path) -> None:
@@ -396,12 +405,20 @@ def test_prefix_cache_file_requires_hybrid_prefix(tmp_path: Path) -> None:
         PluginOptions.from_additional_config(config)
 
 
-def test_each_data_parallel_engine_core_has_its_own_cache_file() -> None:
-    from vllm_hpc.derived import cache_file_path
+def test_prefix_cache_file_is_a_disk_tier_the_size_of_the_host_tier(tmp_path: Path) -> None:
+    from vllm_hpc.derived import DiskTierSpec, disk_tier_spec
 
-    assert cache_file_path("/c/cache.bin", 0) == "/c/cache.bin"
-    assert cache_file_path("/c/cache.bin", 1) == "/c/cache.dp1.bin"
-    assert cache_file_path("/c.d/cache", 2) == "/c.d/cache.dp2"
+    alias = _cache_file_options(str(tmp_path / "cache"))
+    assert disk_tier_spec(alias) == DiskTierSpec(str(tmp_path / "cache"), 64 << 20)
+    default = PluginOptions.from_additional_config(
+        {"kv_cache_manager": "hybrid-prefix", "prefix_cache_file": str(tmp_path / "cache")}
+    )
+    assert disk_tier_spec(default) == DiskTierSpec(
+        str(tmp_path / "cache"), default.host_cache_mib << 20
+    )
+    tier = _disk_options(disk_cache_dir=str(tmp_path / "tier"), disk_cache_gib=2)
+    assert disk_tier_spec(tier) == DiskTierSpec(str(tmp_path / "tier"), 2 << 30)
+    assert disk_tier_spec(_disk_options()) is None
 
 
 def _disk_options(**options: Any) -> PluginOptions:

@@ -154,27 +154,37 @@ def check_one_request_fits(
 
 SAVE_GRACE_SECONDS = 30.0
 SAVE_RATE_MIB_S = 256.0
-"""A save's grace: this long, plus a full host tier written at this rate (a slow disk's)."""
+"""A stop's grace: this long, plus a full host tier written at this rate (a slow disk's)."""
 
 
 def save_grace_seconds(host_cache_mib: int) -> float:
-    """How long a stop waits for the engine core to save the host tier before it kills it
-    (`glue/frontend/save_grace.py`): 62 s for the default 8 GiB tier."""
+    """How long a stop waits for the engine core to write the disk tier's queue behind and
+    sync its journal before it kills it (`glue/frontend/save_grace.py`,
+    `glue/scheduler/stop_flush.py`): 62 s for the default 8 GiB host tier, which bounds
+    what the queue can hold."""
     return SAVE_GRACE_SECONDS + host_cache_mib / SAVE_RATE_MIB_S
 
 
-def cache_file_path(path: str, data_parallel_index: int) -> str:
-    """The `--prefix-cache-file` one engine core saves and loads. With data parallelism every
-    engine core has its own cache, so each gets its own file: engine core 0 uses ``path``
-    itself, engine core k > 0 a file beside it (``cache.bin``: ``cache.dp1.bin``, ...). Only the
-    engine core's index names it: vLLM makes each non-MoE data-parallel engine core a DP=1
-    engine (`reconfigure_for_independent_dp_rank`) and keeps only the index."""
-    if data_parallel_index == 0:
-        return path
-    stem, dot, suffix = path.rpartition(".")
-    if not dot or "/" in suffix:
-        return f"{path}.dp{data_parallel_index}"
-    return f"{stem}.dp{data_parallel_index}.{suffix}"
+@dataclass(frozen=True)
+class DiskTierSpec:
+    """The disk tier in effect: ``--disk-cache-dir``/``--disk-cache-gib``, or
+    ``--prefix-cache-file PATH``, its alias, a tier in the directory PATH sized to the host
+    tier (what the stop's write-behind can hold), so a restart finds all of it."""
+
+    directory: str
+    budget_bytes: int
+    """Per worker: each rank's slab file."""
+
+
+def disk_tier_spec(options: PluginOptions) -> DiskTierSpec | None:
+    """The disk tier these options ask for, or None (also with --no-prefix-reuse)."""
+    if not options.host_tier_mib:
+        return None
+    if options.disk_cache_dir is not None and options.disk_cache_gib is not None:
+        return DiskTierSpec(options.disk_cache_dir, options.disk_cache_gib << 30)
+    if options.prefix_cache_file is not None:
+        return DiskTierSpec(options.prefix_cache_file, options.host_tier_mib << 20)
+    return None
 
 
 DISK_WRITE_BYTES_PER_STEP = 128 << 20
@@ -226,6 +236,7 @@ def runtime_config(
     geometry = HostGeometry(page_bytes, image_bytes)
     check_host_budget(options.host_tier_mib, geometry)  # the slab pool would refuse it unnamed
     caps = state_caps(options, device_pages // row_pages, max_seqs)
+    disk = disk_tier_spec(options)
     check_one_request_fits(max_model_len, device_pages, row_pages, lane_rows)
     return RuntimeConfig(
         index=IndexConfig(
@@ -235,7 +246,7 @@ def runtime_config(
             row_pages=row_pages,
             geometry=geometry,
             host_budget_bytes=options.host_tier_mib << 20,
-            disk_budget_bytes=(options.disk_cache_gib or 0) << 30,
+            disk_budget_bytes=disk.budget_bytes if disk is not None else 0,
         ),
         disk_write_bytes=disk_write_bound(geometry, max_model_len),
         active_cap=caps.active,

@@ -20,14 +20,13 @@ Each point is documented where it fires; tests arm them in the processes they st
   its copies fill the driver's launch queue behind a long forward pass (#48): the engine thread
   must go on stepping meanwhile. The gate starts closed; an in-process test opens it when the
   batches may land;
-- `save_slow`: every slab the prefix cache file saves first sleeps `SLOW_SAVE_SECONDS`, so a
-  second stop signal or a kill lands in the middle of a save;
 - `disk_write`, `disk_read`: every run of disk slabs a write or read batch moves fails with EIO
   in the disk store's thread (a write batch then reports an error, a read each record of it);
 - `disk_bitflip`: every slab read from disk has a bit flipped before its CRC-32 is checked, so
   every record read reports a CRC mismatch;
 - `disk_slow`: every run of disk slabs first sleeps `SLOW_DISK_SECONDS`, so batches stay in
-  flight (the store's bound on batches, its drain on close).
+  flight (the store's bound on batches, its drain on close, a second stop signal or a kill
+  during the stop's writes).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ FAULTS_ENV = "VLLM_HPC_FAULTS"
 SLOW_COPY_STEPS = 8
 SLOW_COPY_CYCLES = 100_000_000
 """GPU clock cycles `torch.cuda._sleep` spins: about 50 ms at 2 GHz."""
-SLOW_SAVE_SECONDS = 0.01
 SLOW_ISSUE_SECONDS = 60.0
 ISSUE_GATE = threading.Event()
 SLOW_DISK_SECONDS = 0.05

@@ -196,12 +196,13 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
         key="prefix_cache_file",
         flag="--prefix-cache-file",
         help=(
-            "Save the host tier to this file at an orderly stop (SIGTERM, SIGINT, engine "
-            "shutdown) and restore it at start-up, before the first request, when the file "
-            "was saved by the same model, dtypes and versions; a file that does not fit is "
-            "logged and ignored. Written atomically (a temporary file in the same directory, "
-            "renamed), readable by its owner only. Needs a host tier (--host-cache-mib). "
-            + _HYBRID_ONLY
+            "Keep the cache across restarts in this directory: an alias of --disk-cache-dir "
+            "PATH with a disk tier the size of the host tier (--host-cache-mib). An orderly "
+            "stop (SIGTERM, SIGINT, engine shutdown) writes what the disk tier lacks and syncs "
+            "its journal; a start finds the entries again when they were written by the same "
+            "model, dtypes and versions, and logs why not otherwise. Not with "
+            "--disk-cache-dir; a regular file (the cache file of earlier versions) is "
+            "refused. " + _HYBRID_ONLY
         ),
         parse=_path,
     ),
@@ -320,24 +321,32 @@ class PluginOptions:
                     f"{_SPECS[tap_options[0]].flag} has no effect with --no-prefix-reuse"
                 )
         if self.prefix_cache_file is not None:
-            _check_cache_file(self.prefix_cache_file, self.host_cache_mib)
+            _check_cache_file(self.prefix_cache_file, self)
         if self.disk_cache_dir is not None or self.disk_cache_gib is not None:
             _check_disk_tier(self.disk_cache_dir, self.disk_cache_gib, self.host_cache_mib)
 
 
-def _check_cache_file(path: str, host_cache_mib: int) -> None:
-    """Refuse, at start-up rather than at the first save, a file the server could never
-    write: a save creates a temporary file beside it and renames it into place."""
-    flag = _SPECS["prefix_cache_file"].flag
-    if host_cache_mib == 0:
-        raise OptionError(f"{flag} saves the host tier, and --host-cache-mib 0 has none")
+def _check_cache_file(path: str, options: PluginOptions) -> None:
+    """Refuse, at start-up, what the alias cannot be: a second disk tier beside
+    --disk-cache-dir, a tier with no host tier above it, or a path that holds a cache file of
+    the old format, which is never read and must not be overwritten or deleted unasked."""
+    flag, dir_flag = _SPECS["prefix_cache_file"].flag, _SPECS["disk_cache_dir"].flag
+    if options.disk_cache_dir is not None or options.disk_cache_gib is not None:
+        other = dir_flag if options.disk_cache_dir is not None else _SPECS["disk_cache_gib"].flag
+        raise OptionError(
+            f"{flag} is an alias of {dir_flag} (a disk tier the size of the host tier): give "
+            f"one of them, not {flag} and {other}"
+        )
+    if options.host_cache_mib == 0:
+        raise OptionError(f"{flag} keeps the host tier on disk, and --host-cache-mib 0 has none")
     target = Path(path)
-    if target.is_dir():
-        raise OptionError(f"{flag} {path} is a directory; name a file in it")
-    if not target.parent.is_dir():
-        raise OptionError(f"{flag} {path}: the directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise OptionError(f"{flag} {path}: this server cannot create files in {target.parent}")
+    if target.exists() and not target.is_dir():
+        raise OptionError(
+            f"{flag} {path} is a file: {flag} now names a directory (the disk tier's), and "
+            "cache files of earlier versions are no longer read; move or delete the file, or "
+            "name another path (the cache starts empty once)"
+        )
+    _check_creatable(flag, path)
 
 
 def _check_disk_tier(directory: str | None, gib: int | None, host_cache_mib: int) -> None:
@@ -353,6 +362,11 @@ def _check_disk_tier(directory: str | None, gib: int | None, host_cache_mib: int
         raise OptionError(
             f"{flag} puts a disk tier under the host tier, and --host-cache-mib 0 has none"
         )
+    _check_creatable(flag, directory)
+
+
+def _check_creatable(flag: str, directory: str) -> None:
+    """Refuse a directory the server cannot create or write files in."""
     target = Path(directory)
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():

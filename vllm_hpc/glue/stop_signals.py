@@ -1,22 +1,23 @@
-"""Stop signals and the save of `--prefix-cache-file` (§5.5): one stop saves, a second abandons.
+"""Stop signals and the disk tier's stop (§5.5): one stop writes the queue behind and syncs the
+journal, a second cuts it short.
 
 A stop reaches a server's processes in several ways: SIGTERM or SIGINT to the API server alone
 (`kill PID`, `docker stop`, Kubernetes), to the whole process group (Ctrl-C in a terminal,
 `systemctl stop` with its default `KillMode=control-group`), to the engine core alone, or to
-every process at once. Whichever it is, the file is saved once, and only a second signal from
-the user means "stop now" (the save is abandoned and the previous file stays). Three rules make
-that so:
+every process at once. Whichever it is, the disk tier is flushed once, and only a second signal
+from the user means "stop now" (the writes stop; what the journal holds stays). Three rules
+make that so:
 
 - The front end stops its engine cores with `ORDERLY_STOP`, not SIGTERM
   (`glue/frontend/save_grace.py`), and an engine core acts on it only while it is not yet
   stopping: so a front end that received the same group signal is not a second signal.
 - A worker process defers its first SIGTERM or SIGINT (`defer_first_stop_signal`): the engine
-  core saves through it and then stops it (vLLM's executor closes its death pipe), so a group
-  signal no longer kills the worker before it has written its section.
-- While a save runs, the engine core (which waits for its workers) and each worker (which writes
-  the file) take SIGTERM and SIGINT as the second signal (`stop_signals_caught`). vLLM puts the
-  default handlers back before the engine core shuts down, so without them a second signal
-  would kill the process in the middle of the save.
+  core flushes through it and then stops it (vLLM's executor closes its death pipe), so a group
+  signal no longer kills the worker before it has written its slabs.
+- While the flush runs, the engine core takes SIGTERM and SIGINT as the second signal
+  (`stop_signals_caught`). vLLM puts the default handlers back before the engine core shuts
+  down, so without them a second signal would kill the process in the middle of a journal
+  write (harmless: a torn entry fails its CRC; but the log would say nothing).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def stop_signals_caught(on_signal: Callable[[int], None]) -> Iterator[threading.
 
 def accept_orderly_stop(stopping: Callable[[], bool]) -> None:
     """In an engine-core process, once vLLM's SIGTERM handler is in place: `ORDERLY_STOP` stops
-    the engine as that handler does, unless ``stopping()`` (the save has begun)."""
+    the engine as that handler does, unless ``stopping()`` (the flush has begun)."""
     stop = signal.getsignal(signal.SIGTERM)
     if not in_main_thread() or not callable(stop):
         return
@@ -87,7 +88,7 @@ _deferring: dict[int, Any] = {}
 
 
 def defer_first_stop_signal(process: str) -> None:
-    """In a process that the engine core stops itself once it has saved (a worker of the
+    """In a process that the engine core stops itself once it has flushed (a worker of the
     multiprocess executor): until `end_stop_deferral`, the first SIGTERM or SIGINT is only
     logged; a second one goes to the handler it replaced (vLLM's, which stops the process)."""
     if not in_main_thread() or _deferring:
@@ -99,7 +100,7 @@ def defer_first_stop_signal(process: str) -> None:
         if not deferred:
             deferred.append(signum)
             logger.info(
-                "%s: %s deferred: the engine core saves the prefix cache file, then stops this "
+                "%s: %s deferred: the engine core writes the disk tier, then stops this "
                 "process; a second signal stops it now",
                 process,
                 signal.Signals(signum).name,
@@ -117,8 +118,8 @@ def defer_first_stop_signal(process: str) -> None:
 
 
 def end_stop_deferral() -> None:
-    """The save is over (written, refused or abandoned): stop signals act as vLLM set them again,
-    so the SIGTERM that vLLM's executor sends a worker slow to exit stops it."""
+    """The stop's writes are over (done, cut short or refused): stop signals act as vLLM set
+    them again, so the SIGTERM that vLLM's executor sends a worker slow to exit stops it."""
     if in_main_thread():
         for sig, old in _deferring.items():
             signal.signal(sig, old)

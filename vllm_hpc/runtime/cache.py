@@ -52,13 +52,11 @@ from vllm_hpc.runtime.telemetry import (
     ADMISSION,
     AUDIT,
     DISK,
-    FILE,
     HOST,
     INDEX,
     AdmissionCounters,
     AuditCounters,
     DiskCounters,
-    FileCounters,
     HostCounters,
 )
 
@@ -83,8 +81,6 @@ class HybridPrefixCache:
         )
         self.audits = AuditCounters()
         """Kept by the glue's cache audit, reported with the rest."""
-        self.file = FileCounters()
-        """Kept by the glue's prefix cache file, reported with the rest."""
 
     @property
     def admissions(self) -> AdmissionCounters:
@@ -203,7 +199,6 @@ class HybridPrefixCache:
         values.update({m.name: getattr(self.host, m.name.removeprefix("host_")) for m in HOST})
         values.update({m.name: getattr(self.disk, m.name.removeprefix("disk_")) for m in DISK})
         values.update({m.name: getattr(self.audits, m.name) for m in AUDIT})
-        values.update({m.name: getattr(self.file, m.name) for m in FILE})
         values["snapshots"] = len(store.snapshots)
         values["snapshot_slots_used"] = store.slots.capacity - store.slots.num_free
         values["active_slots_used"] = len(self.admission.live)

@@ -54,20 +54,6 @@ class AuditCounters:
     """The same, resumed with a restore from the host tier."""
 
 
-@dataclass(slots=True)
-class FileCounters:
-    """What start-up restored from ``--prefix-cache-file`` (§5.5). A save has no counters: it
-    runs as the engine stops, after the last scrape."""
-
-    file_restored_snapshots: int = 0
-    file_restored_blocks: int = 0
-    file_restored_bytes: int = 0
-    file_load_milliseconds: int = 0
-    """What the load added to start-up: with a read during start-up, only the wait for it."""
-    file_read_during_startup_milliseconds: int = 0
-    """The workers' read of the file while the engine started (the slowest rank's)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Metric:
     """One value the cache reports, and the Prometheus series that shows it (`glue/metrics.py`
@@ -203,35 +189,7 @@ AUDIT = (
     ),
 )
 """`AuditCounters` fields."""
-FILE = (
-    Metric(
-        "file_restored_snapshots",
-        "vllm:hpc_file_restored_snapshots",
-        "Snapshots restored from --prefix-cache-file at start-up",
-    ),
-    Metric(
-        "file_restored_blocks",
-        "vllm:hpc_file_restored_blocks",
-        "KV blocks restored from --prefix-cache-file at start-up",
-    ),
-    Metric(
-        "file_restored_bytes",
-        "vllm:hpc_file_restored_bytes",
-        "Host tier bytes restored from --prefix-cache-file at start-up",
-    ),
-    Metric(
-        "file_load_milliseconds",
-        "vllm:hpc_file_load_milliseconds",
-        "Milliseconds the load of --prefix-cache-file added to start-up",
-    ),
-    Metric(
-        "file_read_during_startup_milliseconds",
-        "vllm:hpc_file_read_during_startup_milliseconds",
-        "Milliseconds the workers read --prefix-cache-file while the engine was starting",
-    ),
-)
-"""`FileCounters` fields."""
-COUNTERS = ADMISSION + INDEX + HOST + DISK + AUDIT + FILE
+COUNTERS = ADMISSION + INDEX + HOST + DISK + AUDIT
 """The cache's monotonic counters."""
 WORKER_COUNTERS = (
     *_by(

@@ -1,13 +1,14 @@
-"""Time for the engine core to save `--prefix-cache-file` before vLLM kills it (§5.5).
+"""Time for the engine core to write the disk tier's queue behind before vLLM kills it (§5.5).
 
 On a stop, the front end's process manager (`CoreEngineProcManager.shutdown`) sends the
 engine-core process SIGTERM and kills it after the shutdown timeout: none at all for
-`vllm serve` with its default `--shutdown-timeout 0`, 5 s for an `LLM`. A save of a large host
-tier takes longer. With a prefix cache file the manager first sends `ORDERLY_STOP` instead of
-SIGTERM (an engine core already saving, because the user's signal reached it too, ignores it:
-`glue/stop_signals.py`) and waits up to the save's grace (`derived.save_grace_seconds`); an
-engine core that stops sooner ends the wait sooner. One still running at the grace's end gets
-vLLM's SIGTERM, which abandons its save, and is killed: the previous file stays.
+`vllm serve` with its default `--shutdown-timeout 0`, 5 s for an `LLM`. Writing a large host
+tier's queue takes longer. With a disk tier (`--disk-cache-dir`, `--prefix-cache-file`) the
+manager first sends `ORDERLY_STOP` instead of SIGTERM (an engine core already writing, because
+the user's signal reached it too, ignores it: `glue/stop_signals.py`) and waits up to the
+stop's grace (`derived.save_grace_seconds`); an engine core that stops sooner ends the wait
+sooner. One still running at the grace's end gets vLLM's SIGTERM, which ends its writes, and is
+killed: what the journal held stays.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_hpc.derived import save_grace_seconds
+from vllm_hpc.derived import disk_tier_spec, save_grace_seconds
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.stop_signals import send_orderly_stop
 from vllm_hpc.options import PluginOptions
@@ -39,7 +40,7 @@ def install_save_grace() -> None:
             getattr(vllm_config, "additional_config", None)
         )
         self._hpc_save_grace = (
-            save_grace_seconds(options.host_tier_mib) if options.prefix_cache_file else None
+            save_grace_seconds(options.host_tier_mib) if disk_tier_spec(options) else None
         )
         original_init(self, *args, **kwargs)
 
@@ -49,7 +50,8 @@ def install_save_grace() -> None:
         if grace is not None and running:
             wait = max(grace, timeout or 0.0)
             logger.info(
-                "prefix cache file: the engine core gets up to %.0f s to save before it is killed",
+                "prefix cache: the engine core gets up to %.0f s to write the disk tier before "
+                "it is killed",
                 wait,
             )
             self.manager_stopped.set()  # an engine core that exits now is not a failure

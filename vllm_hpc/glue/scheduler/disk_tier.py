@@ -49,6 +49,7 @@ from vllm_hpc.persistence import (
     Stored,
     TenantRoot,
     needs_compaction,
+    remove_temporaries,
     replay_journal,
     start_journal,
 )
@@ -226,7 +227,10 @@ class DiskTier:
     # -- start-up ---------------------------------------------------------------------------
 
     def _replay(self, header: JournalHeader) -> Replay | None:
-        """The journal's replay, or None (logged) where it starts empty."""
+        """The journal's replay, or None (logged) where it starts empty. A compaction killed
+        before its rename left a temporary file beside the journal: removed first."""
+        for stale in remove_temporaries(self.path):
+            logger.warning("hybrid-prefix disk tier: removed %s, left by a killed rewrite", stale)
         try:
             replay = replay_journal(self.path, header, self._store.disk_slabs.capacity)
         except FileNotFoundError:

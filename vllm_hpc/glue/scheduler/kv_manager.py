@@ -25,7 +25,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
-from vllm_hpc.derived import runtime_config
+from vllm_hpc.derived import disk_tier_spec, runtime_config
 from vllm_hpc.glue.row_layout import RowLayout, plan_rows, spans_of
 from vllm_hpc.glue.sampling import parse_breakpoints
 from vllm_hpc.glue.scheduler.cache_audit import Resumed
@@ -432,7 +432,8 @@ def disk_tier(
     options: PluginOptions, vllm_config: Any, cache: HybridPrefixCache
 ) -> DiskTier | None:
     """This engine core's disk tier journal, replayed into ``cache``; None without one."""
-    if options.disk_cache_dir is None or not cache.config.index.disk_budget_bytes:
+    spec = disk_tier_spec(options)
+    if spec is None or not cache.config.index.disk_budget_bytes:
         return None
     parallel = vllm_config.parallel_config
     header = journal_header(
@@ -440,7 +441,7 @@ def disk_tier(
         cache.config.index.geometry,
         parallel.tensor_parallel_size,
     )
-    path = disk_journal_path(options.disk_cache_dir, parallel.data_parallel_index)
+    path = disk_journal_path(spec.directory, parallel.data_parallel_index)
     return DiskTier(path, header, cache)
 
 

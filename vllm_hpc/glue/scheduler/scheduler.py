@@ -1,7 +1,7 @@
 """HybridPrefixScheduler: vLLM's scheduler with vllm_hpc's KV cache manager.
 
 `--scheduler-cls` is vLLM's supported way to change what `Scheduler.__init__` builds. The
-subclasses here change six things and leave the scheduling policy (FCFS, chunked prefill,
+subclasses here change five things and leave the scheduling policy (FCFS, chunked prefill,
 preemption) to vLLM:
 
 - the KV cache manager is a `HybridPrefixKVCacheManager`, and no more requests run at once than
@@ -11,9 +11,7 @@ preemption) to vLLM:
 - after each step, the tokens a request has computed commit their blocks and publish its taps;
 - a request that can never fit in the device pool is failed with an error;
 - with `--cache-audit-rate`, the cache audit's runs are queued and their outputs kept from the
-  front end (`cache_audit.py`);
-- with `--prefix-cache-file`, it holds the file the engine core loads and saves
-  (`save_load.py`, `engine_core.py`).
+  front end (`cache_audit.py`).
 
 `HybridPrefixScheduler` extends vLLM's `Scheduler` (CPU, and whenever async scheduling is off);
 `HybridPrefixAsyncScheduler` extends `AsyncScheduler`, vLLM's default on CUDA.
@@ -33,12 +31,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
-from vllm_hpc.derived import cache_file_path
 from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
-from vllm_hpc.glue.scheduler.fingerprint import engine_fingerprint
 from vllm_hpc.glue.scheduler.kv_events import SnapshotEventPublisher
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
-from vllm_hpc.glue.scheduler.save_load import PrefixCacheFile
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -50,7 +45,6 @@ class _HybridPrefixMixin:
     kv_cache_manager: HybridPrefixKVCacheManager
     kv_event_publisher: EventPublisher
     _audit: CacheAudit | None
-    prefix_cache_file: PrefixCacheFile | None
     requests: dict[str, Any]
     max_num_running_reqs: int
     max_num_active_reqs: int
@@ -81,19 +75,6 @@ class _HybridPrefixMixin:
             if options.cache_audit_rate
             else None
         )
-        self.prefix_cache_file = (
-            PrefixCacheFile(
-                cache_file_path(
-                    options.prefix_cache_file, vllm_config.parallel_config.data_parallel_index
-                ),
-                engine_fingerprint(vllm_config),
-                self.kv_cache_manager.cache,
-                vllm_config.parallel_config.tensor_parallel_size,
-            )
-            if options.prefix_cache_file is not None
-            else None
-        )
-        """Loaded and saved by the engine core (`glue/scheduler/engine_core.py`)."""
 
     def _mamba_block_aligned_split(
         self,

@@ -14,7 +14,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from vllm_hpc.derived import cache_file_path
+from vllm_hpc.derived import disk_tier_spec
 from vllm_hpc.faults import SLOW_COPY_STEPS, armed
 from vllm_hpc.glue.connector_metadata import (
     DiskReadReport,
@@ -30,7 +30,6 @@ from vllm_hpc.glue.worker.disk_tier import RankDiskTier
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
 from vllm_hpc.glue.worker.in_pass import StepCaptures
-from vllm_hpc.glue.worker.preload import Preload, tensor_parallel_rank
 from vllm_hpc.glue.worker.transfer_meter import TransferMeter
 from vllm_hpc.glue.worker.write_issuer import PendingWrite, WriteIssuer
 from vllm_hpc.options import PluginOptions
@@ -118,17 +117,11 @@ class ConnectorWorker:
         of the pages and states (tensor parallelism), so all ranks' counts agree."""
         self.failed: CacheCopyError | None = None
         """The copy error this worker stopped on: its host tier is not saved (§5.5)."""
-        self._preload: Preload | None = None
 
     @property
     def arena(self) -> HostArena | None:
         """The host tier's slabs (None without one)."""
         return self._arena
-
-    def take_preload(self) -> Preload | None:
-        """The start-up read of the prefix cache file, once (None without one)."""
-        preload, self._preload = self._preload, None
-        return preload
 
     def stats(self) -> HybridPrefixStats | None:
         with self.clock.timed("transfer check"):
@@ -175,17 +168,15 @@ class ConnectorWorker:
         )
         pool.restores = self._restores
         parallel = self._vllm_config.parallel_config
-        if options.disk_cache_dir is not None and options.disk_cache_gib is not None:
+        disk = disk_tier_spec(options)
+        if disk is not None:
             self._disk = RankDiskTier.open(
-                options.disk_cache_dir,
+                disk.directory,
                 parallel.data_parallel_index,
                 tensor_parallel_rank(),
-                options.disk_cache_gib << 30,
+                disk.budget_bytes,
                 self._arena,
             )
-        if options.prefix_cache_file is not None:
-            path = cache_file_path(options.prefix_cache_file, parallel.data_parallel_index)
-            self._preload = Preload(path, self._arena, tensor_parallel_rank())
             if parallel.distributed_executor_backend == "mp":  # a worker process of its own
                 defer_first_stop_signal(f"worker {tensor_parallel_rank()}")
 
@@ -364,3 +355,10 @@ def slow_write_issues(worker: Any) -> int:
     issuer's thread, beside the engine thread (through `collective_rpc`; 0 without a host tier)."""
     issuer = worker_connector()._issuer
     return issuer.clock.slow_calls if issuer is not None else 0
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's rank: the disk tier's slab file it writes and reads."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

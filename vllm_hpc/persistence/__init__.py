@@ -26,7 +26,6 @@ from vllm_hpc.persistence.journal_entries import (
     TenantRoot,
 )
 from vllm_hpc.persistence.replacement import remove_temporaries
-from vllm_hpc.persistence.tables import decode_tables, encode_tables
 
 __all__ = [
     "BlockOnDisk",
@@ -43,8 +42,6 @@ __all__ = [
     "SnapshotOnDisk",
     "Stored",
     "TenantRoot",
-    "decode_tables",
-    "encode_tables",
     "needs_compaction",
     "remove_temporaries",
     "replay_journal",

@@ -80,12 +80,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Sav
     return Saved(path, copy, conversations)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stop does not yet flush snapshots complete only in device slots (the "
-    "endpoint): the restart resumes from the deepest snapshot on the host (disk-tier plan, "
-    "step 5, not built)",
-)
 def test_a_restart_resumes_each_conversation_from_the_disk_tier(
     saved: Saved, cold: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 from vllm_hpc.index import (
@@ -18,8 +17,6 @@ from vllm_hpc.index import (
     PrefixIndex,
     Publication,
     Readiness,
-    SavedCache,
-    SavedSnapshot,
     Snapshot,
     SnapshotId,
     SnapshotKind,
@@ -139,26 +136,6 @@ class JournalReplay:
         snapshots = {(s.id, medium) for s in store.snapshots for medium in snapshot_media(s)}
         assert self.blocks == blocks
         assert self.snapshots == snapshots
-
-
-def saved_prompt(saved: SavedCache, snapshot: SavedSnapshot) -> tuple[str | None, tuple[int, ...]]:
-    """The tenant and token path a saved snapshot resumes: its anchor's blocks, then its tail."""
-    blocks = {block.id: block for block in saved.blocks}
-    salts = {root.id: root.cache_salt for root in saved.roots}
-    chunks = [snapshot.tail]
-    node = snapshot.anchor
-    while node in blocks:
-        chunks.append(blocks[node].tokens)
-        node = blocks[node].parent
-    return salts[node], tuple(array("i", b"".join(reversed(chunks))))
-
-
-def assert_resumes(index: PrefixIndex, saved: SavedCache) -> None:
-    """A lookup continuing each of ``saved``'s snapshots finds one at its frontier."""
-    for snapshot in saved.snapshots:
-        salt, tokens = saved_prompt(saved, snapshot)
-        prompt = index.prepare_prompt([*tokens, 7], cache_salt=salt)
-        assert snapshot.frontier in index.match(prompt).frontiers
 
 
 class Harness:

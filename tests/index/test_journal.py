@@ -70,21 +70,3 @@ def test_reset_is_one_all_cleared() -> None:
     replay.apply([AllCleared()])
     replay.check(h.index)
     assert not replay.blocks and not replay.snapshots
-
-
-def test_a_load_records_host_copies() -> None:
-    """Blocks and snapshots a saved cache brings back are host copies (§5.5)."""
-    h = Harness(make_index(host_slabs=40))
-    h.run(toks(6, 3 * BLOCK + 9), [2 * BLOCK])
-    saved = h.index.export_saved()
-    fresh = make_index(host_slabs=40, record_events=True)
-    fresh.load_saved(saved)
-    events = fresh.drain_events()
-    assert events and all(
-        isinstance(e, BlockStored | SnapshotPublished) and e.medium is Medium.HOST for e in events
-    )
-    assert sum(isinstance(e, BlockStored) for e in events) == len(saved.blocks)
-    assert sum(isinstance(e, SnapshotPublished) for e in events) == len(saved.snapshots)
-    replay = JournalReplay()
-    replay.apply(events)
-    replay.check(fresh)

@@ -9,7 +9,6 @@ collides often. After every step the index audits itself from scratch.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from array import array
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.index.harness import BLOCK, JournalReplay, assert_resumes, make_index, saved_prompt
+from tests.index.harness import BLOCK, JournalReplay, make_index
 from vllm_hpc.index import (
     BlockNode,
     BlockWrite,
@@ -454,46 +453,15 @@ class IndexMachine(RuleBasedStateMachine):
         if idle:
             self.inflation = 0.0
 
-    @rule(host=st.sampled_from([3, 4, 9, 20, 40]), stop=st.booleans())
-    def restart(self, host: int, stop: bool) -> None:
-        """A save, then a load at start-up into a fresh index with ``host`` slabs (§5.5).
-        Saved from any state (only what is host-resident goes); an idle index is replaced by
-        the loaded one, as a restart would. ``stop``: the save of an orderly stop, with its
-        flush of device-only snapshots into slabs nothing else saved uses (planned from any
-        state: what is in flight is not flushable)."""
-        index = self.index
-        idle = not (
-            self.running
-            or self.writes
-            or self.pressure
-            or self.prefetches
-            or self.disk_transfers
-            or self.kept_reads
-        )
-        saved = index.export_saved()
-        if stop:
-            plan = index.plan_save()
-            index.check_invariants()  # planning changes nothing
-            named = plan.saved.slabs
-            assert len(named) == len(set(named)), "a slab holds two saved things"
-            assert len(plan.saved.snapshots) == len(saved.snapshots) + len(plan.flushes)
-            saved = plan.saved
-        slab_bytes = index.store.value.geometry.slab_bytes
-        config = dataclasses.replace(index.config, host_budget_bytes=host * slab_bytes)
-        fresh = PrefixIndex(config)
-        loaded = fresh.load_saved(saved)
-        fresh.check_invariants()
-        assert loaded.complete or loaded.saved_bytes > host * slab_bytes
-        resaved = fresh.export_saved()
-        assert len(resaved.snapshots) == loaded.snapshots == len(fresh.store.snapshots)
-        assert_resumes(fresh, resaved)
-        identity = {(saved_prompt(saved, s), s.kind, s.hits) for s in saved.snapshots}
-        assert {(saved_prompt(resaved, s), s.kind, s.hits) for s in resaved.snapshots} <= identity
-        if idle:
-            self.index = fresh
-            self.inflation = 0.0
-            if self.replay is not None:
-                self.replay = JournalReplay()
+    @rule(write_now=st.booleans())
+    def stop(self, write_now: bool) -> None:
+        """The stop's write-through of the snapshots only the device holds (§5.5), from any
+        state: what it plans holds a host copy, and the index stays consistent (checked after)."""
+        writes = self.index.write_through_at_stop()
+        for write in writes:
+            self._land(write, write_now)
+        planned = {w.snapshot for w in writes if isinstance(w, SnapshotWrite)}
+        assert all(s.holds_host for s in planned)
 
     # -- checks -----------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ nor vLLM. ``PrefixIndex`` is the facade; ``TapPlanner`` makes every tap decision
 """
 
 from vllm_hpc.index.block_tree import BlockNode, BlockTree
-from vllm_hpc.index.cache_load import LoadedCache, RestorePlan, file_placement, plan_host_restore
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.cost_model import CacheCostModel, CostModel
 from vllm_hpc.index.host_pool import HostGeometry, HostSlabPool
@@ -19,7 +18,6 @@ from vllm_hpc.index.prompt import (
     resume_floor,
     xxh3_block_hash,
 )
-from vllm_hpc.index.saved_cache import SavedBlock, SavedCache, SavedRoot, SavedSnapshot
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.source_choice import (
     AdmissionGrant,
@@ -75,7 +73,6 @@ __all__ = [
     "IndexConfig",
     "InvariantError",
     "Lease",
-    "LoadedCache",
     "MatchResult",
     "MediaItem",
     "NodeId",
@@ -89,12 +86,7 @@ __all__ = [
     "Readiness",
     "Residency",
     "Restore",
-    "RestorePlan",
     "RowId",
-    "SavedBlock",
-    "SavedCache",
-    "SavedRoot",
-    "SavedSnapshot",
     "SlabId",
     "SlotId",
     "Snapshot",
@@ -108,10 +100,8 @@ __all__ = [
     "TapPolicy",
     "TapRequest",
     "TapSource",
-    "file_placement",
     "pages_for",
     "plan_exact_tap",
-    "plan_host_restore",
     "prepare_prompt",
     "resume_floor",
     "snapshot_kind",

@@ -122,8 +122,8 @@ class SlabPool(Generic[Id]):
         return taken
 
     def take(self, slabs: list[Id], use: SlabUse) -> None:
-        """Claim these free slabs: a load whose bytes the workers already read into them
-        (§5.5). ValueError, before changing anything, for a slab out of range or in use."""
+        """Claim these free slabs: a journal's replay names the slabs its entries lie in
+        (disk-tier plan §5). ValueError, before any change, for a slab out of range or in use."""
         assert use is not SlabUse.FREE
         wanted = set(slabs)
         if len(wanted) != len(slabs):

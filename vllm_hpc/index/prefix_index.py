@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from itertools import takewhile
 
 from vllm_hpc.index.block_tree import BlockNode
-from vllm_hpc.index.cache_load import LoadedCache, load_saved
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.eviction_order import value_key
@@ -33,7 +32,6 @@ from vllm_hpc.index.journal import Journal, JournalEvent
 from vllm_hpc.index.lease import Lease
 from vllm_hpc.index.outcomes import CommitOutcome, CommitResult, Publication
 from vllm_hpc.index.prompt import MediaItem, PreparedPrompt, pack_tokens, prepare_prompt
-from vllm_hpc.index.saved_cache import SavedCache, SavePlan, export_saved, plan_save
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.source_choice import (
     AdmissionGrant,
@@ -58,6 +56,7 @@ from vllm_hpc.index.transfers import (
     Restore,
     SnapshotWrite,
     Transfer,
+    WriteRecord,
 )
 from vllm_hpc.index.types import (
     BLOCK_BYTES_PACKED,
@@ -702,32 +701,36 @@ class PrefixIndex:
         """Residency changes since the last call, oldest first (empty unless recording)."""
         return self.journal.drain() if self.journal is not None else []
 
-    # -- persistence (§5.5) -----------------------------------------------------------------
+    # -- the stop (§5.5) ---------------------------------------------------------------------
 
-    def export_saved(self) -> SavedCache:
-        """What a save keeps: every retained snapshot whose image, tail and anchor path are
-        host-resident, and exactly those paths' blocks, parents first. Read-only; the caller
-        lets every host write land first, or the entries it writes are left out."""
-        return export_saved(self.store)
-
-    def plan_save(self) -> SavePlan:
-        """What a save at a stop writes: `export_saved`'s records, plus the retained snapshots
-        only a device slot holds whose anchor paths are host-resident, each given host slabs
-        nothing saved uses (`saved_cache.plan_save`). Read-only: the caller writes those slabs
-        from the slots as the cache's last act, since they may hold what the index still
-        lists."""
-        return plan_save(self.store)
-
-    def load_saved(self, saved: SavedCache) -> LoadedCache:
-        """Rebuild ``saved`` host-only in this empty index, whole snapshots by value per byte
-        where the host tier is smaller (`plan_host_restore`). Before the first request, the
-        caller copies each saved slab's bytes to the slab ``LoadedCache.slabs`` names, or
-        calls ``clear``. ValueError for a non-empty index or malformed records."""
+    def write_through_at_stop(self) -> list[WriteRecord]:
+        """At an orderly stop the device goes: plan the host write-through of every retained
+        snapshot that only the device holds complete, with its path's device-only blocks,
+        highest GDSF priority first, as a publication or a release would have. Each then goes
+        to disk behind the host tier like any other. What the host tier has no room for,
+        even after evicting what is worth less (§9.3), stays behind: a restart loses it."""
         store = self.store
-        if self._leases or self._in_flight or store.slots.staging or store.tree.roots:
-            raise ValueError("a save loads only into an empty index")
-        store.advance()
-        return load_saved(store, saved)
+        candidates = sorted(
+            filter(_device_only, store.snapshots), key=lambda s: (-s.priority, s.id)
+        )
+        if candidates:
+            store.advance()
+        writes: list[WriteRecord] = []
+        for snapshot in candidates:
+            path = snapshot.anchor.path()
+            if not all(_copyable(node) for node in path):
+                continue  # a block of its path is nowhere a restart could read it from
+            blocks = self._write_blocks([n for n in path if n.device is Residency.RESIDENT])
+            if blocks is not None:
+                writes.append(blocks)
+            on_host_or_disk = all(
+                n.host is not Residency.ABSENT or n.disk is not Residency.ABSENT for n in path
+            )
+            if on_host_or_disk and snapshot in store.snapshots and _device_only(snapshot):
+                written = self._write_snapshot(snapshot)
+                if written is not None:
+                    writes.append(written)
+        return writes
 
     def load_disk_block(
         self,
@@ -910,6 +913,21 @@ def _writable(snapshot: Snapshot) -> bool:
         not _filling(node) and bool(node.media & {Medium.HOST, Medium.DISK})
         for node in snapshot.anchor.path()
     )
+
+
+def _device_only(snapshot: Snapshot) -> bool:
+    """Retained and complete only on the device: its image in a slot and its tail on a
+    device page, neither of them on the host, landing there, or on disk."""
+    if snapshot.superseded or not snapshot.complete_on_device:
+        return False
+    return not (snapshot.holds_host or snapshot.holds_disk or _filling_snapshot(snapshot))
+
+
+def _copyable(node: BlockNode) -> bool:
+    """On the host or disk (or landing there), or on the device for a write-through."""
+    if node.host is not Residency.ABSENT or node.disk is not Residency.ABSENT:
+        return True
+    return node.device is Residency.RESIDENT
 
 
 def _disk_slabs(write: DiskWrite) -> int:

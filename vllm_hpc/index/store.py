@@ -213,16 +213,6 @@ class CacheStore:
         self._resize_owner(node, Medium.HOST, 1)
         self.sync_node(node)
 
-    def add_host_node(
-        self, parent: BlockNode, tokens: bytes, extra: int, slab: SlabId
-    ) -> BlockNode:
-        """A saved block comes back host-only (§5.5), under a parent already rebuilt; its slab
-        receives the saved bytes before any request can restore from it."""
-        node = self.tree.insert(parent, tokens, extra)
-        self.fill_host(node, slab)
-        self.land_host(node)
-        return node
-
     def land_host(self, node: BlockNode) -> None:
         assert node.host is Residency.FILLING
         node.host = Residency.RESIDENT
@@ -413,22 +403,6 @@ class CacheStore:
             snapshot.tail_page, snapshot.tail_device = tail_page, Residency.RESIDENT
         self._register(snapshot)
         self.stats.snapshots_published += 1
-        return snapshot
-
-    def add_host_snapshot(
-        self,
-        anchor: BlockNode,
-        tail: bytes,
-        kind: SnapshotKind,
-        image: list[SlabId],
-        tail_slab: SlabId | None,
-        hits: int,
-    ) -> Snapshot:
-        """A saved snapshot comes back host-only (§5.5); its slabs receive the saved bytes
-        before any request can restore from them."""
-        snapshot = self._add_loaded_snapshot(anchor, tail, kind, hits)
-        self.fill_snapshot_host(snapshot, image, tail_slab)
-        self.land_snapshot_host(snapshot)
         return snapshot
 
     def add_disk_snapshot(

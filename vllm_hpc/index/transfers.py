@@ -107,4 +107,6 @@ class DiskRead:
     tail: tuple[DiskSlabId, SlabId] | None
 
 
+WriteRecord = BlockWrite | SnapshotWrite
+"""A host write-through: a path's blocks, or a snapshot's image and tail."""
 Transfer = Restore | BlockWrite | SnapshotWrite | Prefetch | DiskWrite | DiskRead

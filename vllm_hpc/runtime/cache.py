@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex, SavedCache
+from vllm_hpc.index import InvariantError, PageId, PlannedTap, PrefixIndex
 from vllm_hpc.index.device_pool import PageState
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.journal import JournalEvent
@@ -40,7 +40,7 @@ from vllm_hpc.runtime.admission import Admission
 from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
-from vllm_hpc.runtime.plan import HostWrite, StepPlan
+from vllm_hpc.runtime.plan import StepPlan
 from vllm_hpc.runtime.records import (
     InfeasibleRequest,
     InFlight,
@@ -109,16 +109,21 @@ class HybridPrefixCache:
 
     @property
     def settled(self) -> bool:
-        """No capture waits to publish and no copy waits to be handed out or to land: what
-        the index says is host-resident is all there will be (a save waits for this)."""
-        return self.pipeline.idle and not self.captures.retiring
+        """No capture waits to publish, no copy waits to be handed out or to land, and the
+        last plan wrote nothing behind (its per-step bound may have left more for the next):
+        what the index says is host- and disk-resident is all there will be (a stop waits for
+        this)."""
+        pipeline = self.pipeline
+        return pipeline.idle and not pipeline.wrote_behind and not self.captures.retiring
 
-    def plan_save(self) -> tuple[SavedCache, HostWrite | None]:
-        """What a save at a stop writes (`PrefixIndex.plan_save`): its records, and the write
-        that first copies its device-only snapshots into the host slabs those records name.
-        The cache's last act: that write overwrites slabs the index still lists."""
-        plan = self.index.plan_save()
-        return plan.saved, self.pipeline.stop_flush(plan.flushes) if plan.flushes else None
+    def write_through_at_stop(self) -> int:
+        """Queue the host write-through of the snapshots only the device holds, for the next
+        steps to copy and then write behind to disk (`PrefixIndex.write_through_at_stop`);
+        returns how many writes were planned."""
+        writes = self.index.write_through_at_stop()
+        for write in writes:
+            self.pipeline.write_through(write)
+        return len(writes)
 
     def complete_writes(self, batches: Sequence[int]) -> None:
         self.pipeline.complete_writes(batches)

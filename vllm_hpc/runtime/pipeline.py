@@ -28,11 +28,10 @@ from vllm_hpc.index import (
     Prefetch,
     PrefixIndex,
     Restore,
-    SnapshotWrite,
 )
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.snapshot import Snapshot
-from vllm_hpc.index.transfers import DiskRead, DiskWrite
+from vllm_hpc.index.transfers import DiskRead, DiskWrite, WriteRecord
 from vllm_hpc.runtime.lane import Capture, Lane
 from vllm_hpc.runtime.plan import (
     DiskReadBatch,
@@ -46,8 +45,6 @@ from vllm_hpc.runtime.plan import (
     StepPlan,
 )
 from vllm_hpc.runtime.telemetry import DiskCounters, HostCounters
-
-WriteRecord = BlockWrite | SnapshotWrite
 
 
 class StepPipeline:
@@ -78,6 +75,9 @@ class StepPipeline:
         self._disk_reading: dict[int, DiskRead] = {}
         """Disk reads planned and not yet reported by every worker, by batch number."""
         self._reads_planned = 0
+        self.wrote_behind = False
+        """Whether the last plan handed out held a disk write: the bound of a step may have
+        left more behind it, for the next plan."""
 
     # -- step boundaries --------------------------------------------------------------------
 
@@ -109,6 +109,7 @@ class StepPipeline:
             self._writing[self.plans_taken] = self._write_batch
             self._write_batch = []
         disk_writes = self.index.plan_disk_writes(self.disk_write_bytes)
+        self.wrote_behind = bool(disk_writes)
         if disk_writes:
             records = tuple(record for write in disk_writes for record in disk_records(write))
             plan.disk_writes.append(DiskWriteBatch(self.plans_taken, records))
@@ -130,11 +131,6 @@ class StepPipeline:
         self.host.write_bytes += len(blocks) * self.geometry.block_bytes
         self.host.write_bytes += len(images) * self.geometry.image_bytes
         return HostWrite(batch, tuple(blocks), tuple(images))
-
-    def stop_flush(self, writes: Sequence[SnapshotWrite]) -> HostWrite:
-        """A save's flush of device-only snapshots (`PrefixIndex.plan_save`) as one write
-        batch; the worker waits for it before writing the file, so no step reports it."""
-        return self._host_write(0, list(writes))
 
     def writes_in_flight(self) -> bool:
         """Whether a handed-out write batch has not been reported done yet."""
@@ -310,6 +306,7 @@ class StepPipeline:
         self._writing.clear()
         self._disk_writing.clear()
         self._disk_reading.clear()
+        self.wrote_behind = False
 
 
 def disk_records(transfer: DiskWrite | DiskRead) -> list[SlabRecord]:

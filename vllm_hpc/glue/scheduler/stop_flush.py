@@ -7,8 +7,9 @@ pressure evicted) would go with the device: they are first written through to th
 valuable first, as their publication would have been (`PrefixIndex.write_through_at_stop`),
 and so join the queue. The engine core runs empty steps, as vLLM does after requests finish,
 while the workers copy them (`glue/worker/disk_tier.py`) and each step journals what every
-rank made durable (`DiskTier.step`), until a step plans no write and nothing is in flight.
-Then the journal is durable and holds everything a restart finds.
+rank made durable (`DiskTier.step`), until the cache is settled before and after a step (a
+step plans its writes behind before the host writes it lands). Then the journal is durable
+and holds everything a restart finds.
 
 The stop's grace bounds the wait (`derived.save_grace_seconds`, the time the front end gives
 the engine core, `glue/frontend/save_grace.py`), and so does a second stop signal (the user's
@@ -85,6 +86,7 @@ def _flush(
     )
     reported = started
     cut_short = None
+    settled = False
     while True:
         if abandoned.is_set():
             cut_short = "a second stop signal"
@@ -95,8 +97,11 @@ def _flush(
         except Exception as error:  # a worker stopped on the user's second signal
             cut_short = f"an error ({error})"
             break
-        if cache.settled:
+        # Settled before and after one step: a host write that landed in the step before was
+        # not yet writable when that step planned its writes behind.
+        if settled and cache.settled:
             break
+        settled = cache.settled
         if abandoned.is_set():
             cut_short = "a second stop signal"
         elif cache.index.stats.disk_writes_failed > failed:

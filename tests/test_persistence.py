@@ -20,6 +20,7 @@ from engine_support import (
     cache_of,
     greedy,
     random_prompt,
+    running_llm,
     settle_and_audit,
     small_pool_llm,
     tokens,
@@ -30,13 +31,14 @@ from vllm_hpc.glue.worker.disk_store import disk_journal_path
 pytestmark = pytest.mark.engine
 
 HOST_MIB = 32
+SMALL_HOST_MIB = 3  # 96 slabs of 32 KiB: a disk of the same size holds fewer journaled slabs
 ANSWER = 96  # 64+ tokens past the prompt-tail tap: the endpoint is kept (§7.7)
 
 
-def config(path: Path) -> dict[str, Any]:
+def config(path: Path, host_mib: int = HOST_MIB) -> dict[str, Any]:
     return {
         "kv_cache_manager": "hybrid-prefix",
-        "host_cache_mib": HOST_MIB,
+        "host_cache_mib": host_mib,
         "device_snapshot_slots": 3,
         "cache_taps_per_request": 4,
         "prefix_cache_file": str(path),
@@ -120,3 +122,130 @@ def test_a_journal_of_another_engine_starts_empty_with_the_reason_logged(
     with small_pool_llm(config(path)) as llm:
         assert "not replayed" in logged(caplog)
         assert not cache_of(llm).index.store.snapshots
+
+
+def test_a_smaller_host_tier_keeps_the_journaled_entries_its_disk_holds(
+    saved: Saved, cold: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """The alias sizes the disk to the host tier: with a smaller one, the entries whose slabs
+    lie beyond the smaller disk are dropped with what depends on them, logged, and what comes
+    back still resumes with the cold run's tokens."""
+    path = tmp_path / "cache"
+    shutil.copytree(saved.copy, path)
+    logged(caplog)
+    with small_pool_llm(config(path, SMALL_HOST_MIB)) as llm:
+        log = logged(caplog)
+        assert "journaled entries back (disk-only)" in log and "beyond the disk" in log
+        cache = cache_of(llm)
+        store = cache.index.store
+        cache.audit()
+        frontiers = {s.frontier for s in store.snapshots}
+        for seed, conversation in enumerate(saved.conversations, start=20):
+            turn = conversation + random_prompt(seed=seed, length=80)
+            out = greedy(llm, [turn], ANSWER)[0]
+            assert out.num_cached_tokens in frontiers | {0}  # a journaled snapshot, or cold
+            assert_same_up_to_near_tie(out, cold, turn, ANSWER)
+            settle_and_audit(llm)
+
+
+def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Two conversations in a 3 MiB host tier beside a roomy device: the second's writes take
+    the first's host images, whose snapshots stay in their device slots (§9.3). The stop
+    writes such snapshots through to the host and then behind to the disk tier of the same
+    size, whose GDSF keeps the most valuable of what it can hold; the journal comes back
+    whole. (Requests after that restart are not run here: one hung, see the disk-tier plan,
+    step 5.)"""
+    path = tmp_path / "cache"
+    roomy = {
+        "kv_cache_manager": "hybrid-prefix",
+        "host_cache_mib": 3,
+        "prefix_cache_file": str(path),
+    }
+    logged(caplog)
+    with running_llm(in_process=True, additional_config=roomy) as llm:
+        for seed in (60, 61):
+            greedy(llm, [random_prompt(seed=seed, length=1400)], ANSWER)
+        settle_and_audit(llm)
+        store = cache_of(llm).index.store
+        device_only = [
+            s
+            for s in store.snapshots
+            if s.complete_on_device and not (s.holds_host or s.holds_disk)
+        ]
+        assert device_only, "no snapshot was left only in a device slot"
+    log = logged(caplog)
+    assert "(0 host writes of what only the device held)" not in log
+    assert "prefix cache saved to" in log and "cut short" not in log
+    with running_llm(in_process=True, additional_config=roomy) as llm:
+        log = logged(caplog)
+        assert "journaled entries back (disk-only)" in log and "dropped" not in log
+        cache_of(llm).audit()
+
+
+def test_a_failing_disk_cuts_the_stop_short_and_keeps_the_journal(
+    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every disk write fails with EIO at the stop (fault point `disk_write`, armed in this
+    process, where the in-process worker's disk store runs): the stop's writes end, the engine
+    still stops, and the journal keeps every entry it held."""
+    from vllm_hpc import faults
+
+    path = tmp_path / "cache"
+    shutil.copytree(saved.copy, path)
+    journal = disk_journal_path(str(path), 0)
+    logged(caplog)
+    with small_pool_llm(config(path)) as llm:
+        assert "journaled entries back (disk-only)" in logged(caplog)
+        kept = len(cache_of(llm).index.store.snapshots)
+        greedy(llm, [random_prompt(seed=40, length=600)], 8)  # its writes wait for the stop
+        monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_write"}))
+    monkeypatch.setattr(faults, "_ARMED", frozenset())
+    assert "cut short by a write failed" in logged(caplog)
+    assert journal.is_file()
+    with small_pool_llm(config(path)) as llm:  # what was journaled before the fault
+        assert "journaled entries back (disk-only)" in logged(caplog)
+        assert len(cache_of(llm).index.store.snapshots) >= kept
+        cache_of(llm).audit()
+
+
+def test_a_worker_stopped_on_a_copy_error_writes_nothing_more(
+    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host write fails in the worker (fault point `host_write`, armed in this process where
+    the in-process worker runs): the engine stops on the error, writes nothing more to disk,
+    and the journal stays as it was."""
+    from vllm_hpc import faults
+
+    path = tmp_path / "cache"
+    shutil.copytree(saved.copy, path)
+    journal = disk_journal_path(str(path), 0)
+    logged(caplog)
+    with small_pool_llm(config(path)) as llm:
+        before = journal.read_bytes()  # as the start-up replay rewrote it
+        monkeypatch.setattr(faults, "_ARMED", frozenset({"host_write"}))
+        with pytest.raises(Exception, match="host tier: a copy between the device and the host"):
+            greedy(llm, [random_prompt(seed=50, length=600)], 8)
+    assert "nothing more written to disk (hybrid-prefix host tier" in logged(caplog)
+    assert journal.read_bytes() == before
+
+
+def test_an_llm_with_its_engine_core_in_a_process_of_its_own_writes_and_resumes(
+    cold: Any, tmp_path: Path
+) -> None:
+    """vLLM's default `LLM`: the engine core runs in a child process, which loads the plugin
+    only while it builds the engine; its shutdown still writes the queue behind, and a new one
+    resumes from the disk."""
+    path = tmp_path / "cache"
+    prompt = random_prompt(seed=60, length=1200)
+    options = config(path)
+    engine = {"max_model_len": 2048, "num_gpu_blocks_override": 350, "max_num_seqs": 4}
+    with running_llm(additional_config=options, **engine) as llm:
+        answer = tokens(greedy(llm, [prompt], ANSWER)[0])
+    assert disk_journal_path(str(path), 0).is_file()
+    turn = prompt + answer + random_prompt(seed=61, length=80)
+    with running_llm(additional_config=options, **engine) as llm:
+        out = greedy(llm, [turn], ANSWER)[0]
+    assert out.num_cached_tokens == len(prompt) + ANSWER - 1
+    assert_same_up_to_near_tie(out, cold, turn, ANSWER)

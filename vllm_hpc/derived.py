@@ -105,9 +105,12 @@ class StateCaps:
     """The running requests the snapshot default and the tap density assume."""
 
 
-def state_caps(options: PluginOptions, rows: int, max_seqs: int) -> StateCaps:
+def state_caps(options: PluginOptions, rows: int, max_seqs: int, prompt_taps: int = 0) -> StateCaps:
     """The caps from the options where given, else from the ``rows`` the KV cache holds (each
-    one state's worth of pages), with a clear error naming the option that cannot fit."""
+    one state's worth of pages), with a clear error naming the option that cannot fit.
+
+    ``prompt_taps``: snapshots one prompt's prefill may hold at once, for which the default
+    snapshot cap makes room beside the running requests it is sized for (`runtime_config`)."""
     if rows < 2:
         raise OptionError(
             f"the KV cache holds {rows} state row(s), not even one beside the scratch row: give "
@@ -126,7 +129,7 @@ def state_caps(options: PluginOptions, rows: int, max_seqs: int) -> StateCaps:
     snapshots = options.device_snapshot_slots
     if snapshots is None:
         spare = SPARE_SLOTS if options.host_tier_mib == 0 else SPARE_SLOTS_WITH_HOST
-        snapshots = max(sized_for + spare, int(SNAPSHOT_SHARE * rows))
+        snapshots = max(sized_for + spare + prompt_taps, int(SNAPSHOT_SHARE * rows))
     elif snapshots > rows - 1:
         raise OptionError(
             f"--device-snapshot-slots {snapshots} is more than the {rows - 1} state rows the KV "
@@ -235,7 +238,15 @@ def runtime_config(
     chunk; ``lane_rows`` state rows per running request (`RuntimeConfig.lane_rows`)."""
     geometry = HostGeometry(page_bytes, image_bytes)
     check_host_budget(options.host_tier_mib, geometry)  # the slab pool would refuse it unnamed
-    caps = state_caps(options, device_pages // row_pages, max_seqs)
+    rows = device_pages // row_pages
+    caps = state_caps(options, rows, max_seqs)
+    taps = tap_policy(options, chunk, caps.sized_for, caps.snapshots, in_pass)
+    if in_pass:
+        # Saved inside the pass, a chunk's taps take their slots in one step, and under async
+        # scheduling they hold them until their host writes land a few steps on: a prompt of a
+        # few chunks holds all its taps at once. Without room for them its final chunk (its
+        # deepest taps) finds no slot (docs/notes/deep-edit-turn-6.md).
+        caps = state_caps(options, rows, max_seqs, prompt_taps=taps.max_new_taps)
     disk = disk_tier_spec(options)
     check_one_request_fits(max_model_len, device_pages, row_pages, lane_rows)
     return RuntimeConfig(
@@ -250,7 +261,7 @@ def runtime_config(
         ),
         disk_write_bytes=disk_write_bound(geometry, max_model_len),
         active_cap=caps.active,
-        tap_policy=tap_policy(options, chunk, caps.sized_for, caps.snapshots, in_pass),
+        tap_policy=taps,
         chunk_tokens=chunk,
         prefix_reuse=not options.no_prefix_reuse,
         in_pass_taps=in_pass,

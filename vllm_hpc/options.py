@@ -131,7 +131,8 @@ OPTION_SPECS: tuple[OptionSpec, ...] = (
             "Cap on snapshots (taps and endpoints) kept on the device, each in a row of KV "
             "pages that running requests and KV take back under load. Default: "
             "{snapshot_share} of the KV cache's rows, at least {spare_slots} "
-            "({spare_slots_host} with a host tier) more than {active_share} of them; "
+            "({spare_slots_host} with a host tier) more than {active_share} of them, and where "
+            "taps are saved inside the pass that many plus the taps a prompt may leave; "
             "reported at start-up. " + _HYBRID_ONLY
         ),
         parse=_count(1),

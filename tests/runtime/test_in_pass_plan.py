@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.runtime.driver import CHUNK, make_cache, prompt, run
+from vllm_hpc.derived import runtime_config
+from vllm_hpc.options import PluginOptions
 from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo
 from vllm_hpc.runtime.plan import InPassCapture, StepPlan
 
@@ -112,3 +114,70 @@ def test_a_budget_below_one_block_still_schedules_short_chunks() -> None:
     chunks, _ = prefill(make_cache(in_pass=True, chunk_tokens=48), prompt(200), budget=48)
     assert chunks[:2] == [(0, 48), (48, 64)]
     assert chunks[-1][1] == 200
+
+
+def async_prefill(cache: HybridPrefixCache, tokens: list[int], budget: int) -> None:
+    """Prefill ``tokens`` as vLLM's async scheduler runs it: each step is scheduled before the
+    previous one's output is processed, a non-final chunk in flight already counts as committed
+    (vLLM adds output placeholders only for steps that sample), and the host writes a plan
+    carries land with the next step's output. Then finish with no answer and audit."""
+    n = len(tokens)
+    info = RequestInfo("long", tokens, n)
+    cache.new_step()
+    lookup = cache.lookup(info)
+    lane, start = None, lookup.frontier
+    in_flight: list[list[int]] = []  # each step's write batches, oldest first
+    landing: list[int] = []
+    while start < n or in_flight:
+        if start < n:
+            taps = lookup.taps if lane is None else lane.taps
+            size = cache.chunk_limit(taps, start, min(budget, n - start), n)
+            if lane is None:
+                lane = cache.admit(info, lookup, size)
+                assert lane is not None
+            else:
+                assert cache.grow(lane, start + size) is not None
+            cache.on_scheduled(lane, tokens, start, start + size)
+            start += size
+            in_flight.append([w.batch for w in cache.take_plan().host_writes])
+            if len(in_flight) == 1:
+                cache.new_step()
+                continue
+        cache.complete_writes(landing)  # the output of the step in flight before the oldest
+        landing = in_flight.pop(0)
+        assert lane is not None
+        cache.commit(lane, tokens, start - (1 if start == n and in_flight else 0))
+        cache.new_step()
+    assert lane is not None
+    cache.complete_writes(landing)
+    cache.finish(lane, tokens, n)
+    for _ in range(2):
+        cache.take_plan()
+        cache.new_step()
+    cache.audit()
+
+
+H100_FLOAT32 = {"device_pages": 3350, "row_pages": 37, "image_bytes": 153_944_064}
+"""The 27B VL shape's KV cache on an H100 at 0.85 of its memory under vLLM 0.34, with the
+float32 recurrent state the published checkpoints ask for: 90 rows of 37 pages (#47)."""
+
+
+def test_a_long_prompt_on_an_h100_captures_every_tap_saved_in_the_pass() -> None:
+    """The mix's 24,000-token prompt, with the cache the glue derives for that engine: its taps
+    of one chunk take their slots in one step and keep them until their host writes land, so
+    the derived snapshot cap must hold a prompt's taps, or its final chunk's (the deepest, the
+    ones a deep edit or a retry resumes from) are skipped (docs/notes/deep-edit-turn-6.md)."""
+    config = runtime_config(
+        PluginOptions.from_additional_config({"kv_cache_manager": "hybrid-prefix"}),
+        page_bytes=4 << 20,
+        max_seqs=256,
+        max_model_len=102_400,
+        chunk=8192,
+        in_pass=True,
+        **H100_FLOAT32,
+    )
+    cache = HybridPrefixCache(config)
+    tokens = prompt(24_000)
+    async_prefill(cache, tokens, budget=8192)
+    assert cache.index.stats.taps_skipped_no_slot == 0
+    assert {16_384, 18_432, 19_904, 22_528, 23_936} <= set(snapshot_frontiers(cache))

@@ -59,6 +59,7 @@ from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
 from workloads import WORKLOADS, Session, Shape, arrivals, mix
 
 from vllm_hpc.options import DEFAULT_HOST_CACHE_MIB
+from vllm_hpc.runtime.telemetry import COUNTERS
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
 CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host", NATIVE_BEST)
@@ -131,6 +132,9 @@ class WorkloadRun:
     """Speculative decoding (``--speculative-config``): draft tokens proposed in the workload."""
     accepted_tokens: int = 0
     """Of those, the draft tokens the target model accepted."""
+    cache: dict[str, int] = field(default_factory=dict)
+    """hybrid-prefix's counters over the workload that moved (`CACHE_COUNTERS`, keyed as
+    `vllm_hpc.runtime.telemetry` names them); empty for vLLM's own caching."""
 
 
 class Sampler:
@@ -296,22 +300,34 @@ def engine_kwargs(
 
 
 SPEC_COUNTERS = {
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "draft_tokens": ("vllm:spec_decode_num_draft_tokens", None),
+    "accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", None),
 }
 """vLLM's speculative-decoding counters, read around each workload."""
+CACHE_COUNTERS = {m.name: (m.family, m.label) for m in COUNTERS}
+"""hybrid-prefix's own counters (`vllm:hpc_*`), read around each workload too: whether a tap the
+plan had was skipped for want of a device slot, or a snapshot evicted, shows in the hits only
+as a shallower resume (`docs/notes/deep-edit-turn-6.md`)."""
+
+Counters = dict[str, tuple[str, tuple[str, str] | None]]
+"""Key -> (Prometheus family, its label's (name, value) or None)."""
 
 
-def spec_counters() -> dict[str, int]:
-    """The running engine's speculative-decoding counters (0 without speculation): vLLM keeps
-    them in this process's Prometheus registry, for the engine started last."""
-    from vllm.v1.metrics.reader import get_metrics_snapshot
+def counters(names: Counters) -> dict[str, int]:
+    """The running engine's counters ``names`` asks for, summed over engines: vLLM keeps them
+    in this process's Prometheus registry, for the engine started last (0 where none)."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
 
-    values = dict.fromkeys(SPEC_COUNTERS, 0)
-    names = {name: key for key, name in SPEC_COUNTERS.items()}
+    values = dict.fromkeys(names, 0)
+    wanted: dict[str, list[tuple[str, tuple[str, str] | None]]] = {}
+    for key, (family, label) in names.items():
+        wanted.setdefault(family, []).append((key, label))
     for metric in get_metrics_snapshot():
-        if metric.name in names:
-            values[names[metric.name]] += int(metric.value)
+        if not isinstance(metric, Counter):
+            continue
+        for key, label in wanted.get(metric.name, ()):
+            if label is None or metric.labels.get(label[0]) == label[1]:
+                values[key] += int(metric.value)
     return values
 
 
@@ -359,16 +375,25 @@ async def run_config(
         for name, build in builds.items():
             sessions = build()
             memory.reset()
-            before = spec_counters()
+            before = counters({**SPEC_COUNTERS, **CACHE_COUNTERS})
             began = time.perf_counter()
             records = await replay(engine, sessions, params, profile.concurrency, ids)
             wall_s = time.perf_counter() - began
-            spec = {k: v - before[k] for k, v in spec_counters().items()}
-            run = WorkloadRun(records, wall_s, memory.host, memory.device, memory.load, **spec)
+            after = counters({**SPEC_COUNTERS, **CACHE_COUNTERS})
+            spec = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+            cache = {k: n for k in CACHE_COUNTERS if (n := after[k] - before[k])}
+            run = WorkloadRun(
+                records, wall_s, memory.host, memory.device, memory.load, **spec, cache=cache
+            )
             result["workloads"][name] = asdict(run)
             cached = sum(r.cached_tokens for r in records)
             prompt = sum(r.prompt_tokens for r in records)
-            print(f"  {name}: {len(records)} requests, cached {cached}/{prompt}", flush=True)
+            skipped = cache.get("taps_skipped_no_slot", 0)
+            print(
+                f"  {name}: {len(records)} requests, cached {cached}/{prompt}, "
+                f"taps skipped {skipped}",
+                flush=True,
+            )
     finally:
         engine.shutdown()
         del engine  # its __del__ shuts down again, which fails once Python is exiting

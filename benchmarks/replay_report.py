@@ -122,6 +122,7 @@ def markdown(data: dict[str, Any], table: Table, stem: str) -> list[str]:
         *_targets(data, table),
         *_per_workload(data, table),
         *_answers(data),
+        *_cache_counters(data),
         *_engines(data),
         "",
         f"Plots: `{stem}_ttft.png`, `{stem}_hit_rate.png`, `{stem}_cached_per_turn.png`.",
@@ -286,6 +287,33 @@ def _answers(data: dict[str, Any]) -> list[str]:
             found = divergences(data["configs"][c]["workloads"][w]["requests"], base)
             cells.append(f"{len(found)}: {', '.join(found)}" if found else "0")
         lines.append(f"| {w} | {' | '.join(cells)} |")
+    return lines
+
+
+def _cache_counters(data: dict[str, Any]) -> list[str]:
+    """hybrid-prefix's own counters per workload, where the run recorded them
+    (`replay.CACHE_COUNTERS`): a tap skipped for want of a device slot, or a snapshot evicted,
+    shows in the hits only as a shallower resume."""
+    rows = [
+        (w, c, run["cache"])
+        for c, config in data["configs"].items()
+        for w, run in config["workloads"].items()
+        if run.get("cache")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The cache's counters",
+        "",
+        "Increments over each workload of the `vllm:hpc_*` counters that moved, by their names "
+        "in `vllm_hpc/runtime/telemetry.py` (`taps_skipped_no_slot`: taps and endpoints skipped "
+        "for want of a device snapshot slot).",
+        "",
+        *table_head("workload | configuration | counters"),
+    ]
+    for w, c, values in rows:
+        lines.append(f"| {w} | {c} | {', '.join(f'{k} {v:,}' for k, v in values.items())} |")
     return lines
 
 

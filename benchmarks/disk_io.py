@@ -39,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from itertools import product
@@ -266,6 +267,35 @@ class Target:
     size: int
     buffered_fd: int
     direct_fd: int | None
+    refused: str | None
+    """Why O_DIRECT was refused (the probe's reason), None where it is used."""
+    fill_mib_s: float
+    """The rate the file was written at (8 MiB chunks, then fsync)."""
+
+
+@contextmanager
+def cold_file(directory: Path, size: int) -> Iterator[Target]:
+    """A ``size``-byte test file of random bytes in a fresh folder under ``directory``, written
+    (O_DIRECT where allowed), fsynced and dropped from the page cache; removed afterwards.
+    `gpu_disk_tier.py` takes its baseline pass on one too."""
+    workdir = Path(tempfile.mkdtemp(prefix="disk_io.", dir=directory))
+    path = workdir / "slabs.bin"
+    fds: list[int] = []
+    try:
+        refused = direct_refusal(path, SEQ_CHUNK)
+        fill_mib_s = fill_file(path, size, refused is None)
+        fds.append(os.open(path, os.O_RDWR))
+        if refused is None:
+            fds.append(os.open(path, os.O_RDWR | os.O_DIRECT))
+        target = Target(
+            path, size, fds[0], fds[1] if refused is None else None, refused, fill_mib_s
+        )
+        drop_cache(target.buffered_fd)
+        yield target
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(workdir)
 
 
 def baseline(target: Target) -> dict[str, float | None]:
@@ -403,26 +433,17 @@ def main() -> None:
         "baseline": {},
         "cases": [],
     }
-    workdir = Path(tempfile.mkdtemp(prefix="disk_io.", dir=args.dir))
-    path = workdir / "slabs.bin"
-    fds: list[int] = []
-    try:
-        refused = direct_refusal(path, SEQ_CHUNK)
-        fill_mib_s = fill_file(path, size, refused is None)
-        fds.append(os.open(path, os.O_RDWR))
-        if refused is None:
-            fds.append(os.open(path, os.O_RDWR | os.O_DIRECT))
-        target = Target(path, size, fds[0], fds[1] if refused is None else None)
-        drop_cache(target.buffered_fd)
-        resident = resident_fraction(path)
+    with cold_file(args.dir, size) as target:
+        refused = target.refused
+        resident = resident_fraction(target.path)
         print(
-            f"test file {size / GIB:.2f} GiB written at {fill_mib_s:.0f} MiB/s; O_DIRECT "
+            f"test file {size / GIB:.2f} GiB written at {target.fill_mib_s:.0f} MiB/s; O_DIRECT "
             f"{'used' if refused is None else 'refused: ' + refused + ', buffered only'}; "
             f"after fsync + DONTNEED {100 * (resident or 0):.1f}% of it in the page cache"
         )
         if resident is None or resident > 0.01:
             print("the page cache kept the file (or mincore failed): reads may not reach the disk")
-        report |= {"o_direct_refused": refused, "fill_mib_s": fill_mib_s}
+        report |= {"o_direct_refused": refused, "fill_mib_s": target.fill_mib_s}
         report["resident_after_drop"] = resident
         report["baseline"]["start"] = baseline(target)
         print_baseline("start", report["baseline"]["start"], refused is None)
@@ -444,10 +465,6 @@ def main() -> None:
         report["baseline"]["end"] = baseline(target)
         print_baseline("end", report["baseline"]["end"], refused is None)
         save(report, args.json)
-    finally:
-        for fd in fds:
-            os.close(fd)
-        shutil.rmtree(workdir)
 
 
 if __name__ == "__main__":

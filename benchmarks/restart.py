@@ -68,15 +68,19 @@ SAVED = re.compile(
 REPLAYED = re.compile(r"disk tier: (\d+) of (\d+) journaled entries back")
 
 
-class _Lines(logging.Handler):
-    """The plugin's log messages, kept to read the stop's and the replay's lines back."""
+class _Lines(logging.Filter):
+    """The plugin's log messages, kept to read the stop's and the replay's lines back. A filter
+    on the plugin's logger, not a handler: vLLM's logging set-up at an engine's start drops the
+    handlers of the loggers under "vllm" (`logging.config.dictConfig`), and with them the replay's
+    line, logged during that start."""
 
     def __init__(self) -> None:
         super().__init__()
         self.messages: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         self.messages.append(record.getMessage())
+        return True
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def first_engine(args: argparse.Namespace) -> dict[str, Any]:
     vocab = vocab_size(args.model)
     llm, start_s = started(args, vocab, seed=100)
     lines = _Lines()
-    logging.getLogger("vllm.vllm_hpc").addHandler(lines)  # once vLLM has set up its logging
+    logging.getLogger("vllm.vllm_hpc").addFilter(lines)
     facts = engine_facts(llm)
     cold = turn(llm, random_prompt(1, args.length, vocab), args.answer)
     shutdown_s = stopped(llm)
@@ -186,7 +190,7 @@ def second_engine(args: argparse.Namespace, next_turn: list[int]) -> dict[str, A
     """The restarted server: start from the directory, the next turn, then the same turn
     cold."""
     lines = _Lines()
-    logging.getLogger("vllm.vllm_hpc").addHandler(lines)
+    logging.getLogger("vllm.vllm_hpc").addFilter(lines)
     llm, start_s = started(args, vocab_size(args.model), seed=101)
     cache = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
     read_before = cache.disk.read_bytes

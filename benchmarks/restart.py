@@ -13,14 +13,22 @@ that ``--prefix-cache-file DIR`` is an alias of), one after the other:
    set beside the restored one.
 
 Reported: the first turn's TTFT (cold), the stop's writes (their log line), the journal's
-replay (its log line), the next turn's TTFT after the restart, its cached tokens and the bytes
-read from the disk, the same turn's cold TTFT (the reference), and the restored answer against
-the cold one by the near-tie rule (`vllm_hpc.exactness`). Reading the most valuable entries
-into the host tier while vLLM compiles is not built (disk-tier plan, step 5): the next turn
-pays its disk read in its TTFT. TTFT is timed here, from a request's submission to the engine
-step that returns its first token. Each engine first warms up on a short prompt of its own.
-Each engine runs in a process of its own, as a restarted server does, with its engine core in
-that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the cache's counters can be read.
+replay (its log line), the next turn's TTFT after the restart, its cached tokens, the bytes
+read from the disk and when (below), the same turn's cold TTFT (the reference), and the
+restored answer against the cold one by the near-tie rule (`vllm_hpc.exactness`). Reading the
+most valuable entries into the host tier while vLLM compiles is not built (disk-tier plan, step
+5): the next turn pays its disk read in its TTFT. Each engine first warms up on a short prompt
+of its own. Each engine runs in a process of its own, as a restarted server does, with its
+engine core in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the cache's counters can be
+read.
+
+Timed here, from a request's submission: its TTFT, to the engine step that returns its first
+token; for the next turn also its read, to the end of the engine step after which the cache had
+counted the bytes read (`vllm:hpc_disk_bytes{what="read"}`: every worker read and checked
+them), and its admission, to the end of the step that counted its disk hit
+(`vllm:hpc_hit_tokens{source="disk"}`), in which the read bytes go host -> device layer by
+layer while the turn's uncached tokens are prefilled. The workers time that restore's copies
+too (`TransferMeter`).
 
     CPU, tiny model:  .venv/bin/python benchmarks/restart.py --cpu --out /tmp/restart
     H200, 27B shape:  python3 benchmarks/restart.py --model .gpu/model27b --out $OUT
@@ -38,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,6 +60,7 @@ from bench_common import (
     source_digest,
     vocab_size,
 )
+from gpu_host_tier import cache_of, restore_totals
 from gpu_speed import device_name, engine_facts, wait_device_free
 
 from vllm_hpc.exactness import first_parting, top1_margins
@@ -90,6 +100,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "prefix_cache_file": str(args.cache_dir),
     }
     limits = {"max_model_len": args.max_model_len, "disable_log_stats": False}
+    if args.max_num_seqs is not None:
+        limits["max_num_seqs"] = args.max_num_seqs
     if args.cpu:  # the tiny model's memory fraction, sized for the development machines
         from vllm_hpc.tiny_model import llm_kwargs
 
@@ -99,10 +111,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def turn(llm: Any, prompt: list[int], answer: int, salt: str | None = None) -> dict[str, Any]:
+def turn(
+    llm: Any,
+    prompt: list[int],
+    answer: int,
+    salt: str | None = None,
+    on_step: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
     """One greedy request, stepped here so its TTFT is timed at the client (from its submission
     to the step that returns its first token): that, its cached tokens, its answer and the top-1
-    margins of its tokens (for the near-tie rule)."""
+    margins of its tokens (for the near-tie rule). ``on_step`` gets the seconds from the
+    submission to the end of each engine step."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True, logprobs=2)
@@ -120,6 +139,8 @@ def turn(llm: Any, prompt: list[int], answer: int, salt: str | None = None) -> d
                 last = out
                 if ttft is None and out.outputs[0].token_ids:
                     ttft = time.perf_counter() - begun
+        if on_step is not None:
+            on_step(time.perf_counter() - begun)
     assert last is not None and ttft is not None
     return {
         "prompt_tokens": len(prompt),
@@ -186,23 +207,47 @@ def first_engine(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def disk_read(llm: Any, next_turn: list[int], answer: int) -> dict[str, Any]:
+    """The next turn, resumed from the disk: the turn, the bytes read for it, when they had
+    landed and when it was admitted with its disk hit (seconds from its submission to the end
+    of those engine steps), and the workers' seconds for its host -> device restore."""
+    cache = cache_of(llm)
+    read_before, hits_before = cache.disk.read_bytes, cache.admissions.hit_tokens_disk
+    copied_before = restore_totals()
+    seen: dict[str, float] = {}
+
+    def on_step(elapsed: float) -> None:
+        if cache.disk.read_bytes > read_before + seen.get("bytes", 0):
+            seen.update(bytes=cache.disk.read_bytes - read_before, read_landed_s=elapsed)
+        if cache.admissions.hit_tokens_disk > hits_before:
+            seen.setdefault("admitted_s", elapsed)
+
+    restored = turn(llm, next_turn, answer, on_step=on_step)
+    copied = [now - before for now, before in zip(restore_totals(), copied_before, strict=True)]
+    return {
+        "restored_turn": restored,
+        "read_bytes": cache.disk.read_bytes - read_before,
+        "hit_tokens_disk": cache.admissions.hit_tokens_disk - hits_before,
+        "read_landed_s": seen.get("read_landed_s"),
+        "admitted_s": seen.get("admitted_s"),
+        "restore_bytes": copied[0],
+        "restore_s": copied[1],
+    }
+
+
 def second_engine(args: argparse.Namespace, next_turn: list[int]) -> dict[str, Any]:
     """The restarted server: start from the directory, the next turn, then the same turn
     cold."""
     lines = _Lines()
     logging.getLogger("vllm.vllm_hpc").addFilter(lines)
     llm, start_s = started(args, vocab_size(args.model), seed=101)
-    cache = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.cache
-    read_before = cache.disk.read_bytes
-    restored = turn(llm, next_turn, args.answer)
-    read_mib = (cache.disk.read_bytes - read_before) / 2**20
+    read = disk_read(llm, next_turn, args.answer)
     cold_next = turn(llm, next_turn, args.answer, salt="restart-benchmark-cold")
     stopped(llm)
     return {
         "second_start_s": start_s,
         "replay": replay_line(lines.messages),
-        "read_mib": read_mib,
-        "restored_turn": restored,
+        **read,
         "cold_next_turn": cold_next,
     }
 
@@ -241,6 +286,12 @@ def _facts(measured: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in measured.items() if k not in ("answer", "margins")}
 
 
+def seconds(value: float | None) -> str:
+    """A time of the report, or "-" where it was not seen (a read or a disk hit that did not
+    happen)."""
+    return "-" if value is None else f"{value:.3f} s"
+
+
 def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> str:
     save = report["save"] or {}
     replay = report["replay"] or {}
@@ -267,7 +318,15 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> 
             "next turn after the restart: prompt / cached tokens / TTFT",
             f"{after['prompt_tokens']:,} / {after['cached_tokens']:,} / {after['ttft_s']:.3f} s",
         ),
-        ("read from the disk for it", f"{report['read_mib']:,.1f} MiB"),
+        ("read from the disk for it", f"{report['read_bytes'] / 2**20:,.1f} MiB"),
+        (
+            "its read landed / it was admitted with its disk hit, after its submission",
+            f"{seconds(report['read_landed_s'])} / {seconds(report['admitted_s'])}",
+        ),
+        (
+            "its host -> device restore, timed by the workers",
+            f"{report['restore_bytes'] / 2**20:,.1f} MiB in {seconds(report['restore_s'])}",
+        ),
         (
             "next turn cold (another cache_salt): cached tokens / TTFT",
             f"{report['cold_next_turn']['cached_tokens']:,} / "
@@ -292,12 +351,11 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> 
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_options(ap: argparse.ArgumentParser) -> None:
+    """The engines' and the conversation's options (`gpu_disk_tier.py` runs the same restart)."""
     ap.add_argument(
         "--model", help="model directory or Hugging Face id (default with --cpu: the tiny model)"
     )
-    ap.add_argument("--out", type=Path, required=True, help="directory for restart.json and .md")
     ap.add_argument("--cpu", action="store_true", help="CPU profile: tiny model, small sizes")
     ap.add_argument(
         "--dir", type=Path, help="where the disk tier's directory goes (default: a temp dir)"
@@ -308,8 +366,18 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=96, help="output tokens of each turn")
     ap.add_argument("--new-tokens", type=int, default=256, help="the next turn's new tokens")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="vLLM's max_num_seqs (default: vLLM's); an H100 holds fewer state rows of the 27B "
+        "shape's float32 state than vLLM 0.34's default asks for",
+    )
     add_eager_option(ap)
-    args = ap.parse_args()
+
+
+def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in the profile's sizes and the tiny model, and empty the disk tier's directory
+    (`args.cache_dir`) so that the first engine starts with nothing on disk."""
     for key, value in PROFILES["cpu" if args.cpu else "gpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -319,10 +387,18 @@ def main() -> None:
         from vllm_hpc.tiny_model import tiny_model_path
 
         args.model = str(tiny_model_path())
-    directory = args.dir or Path(tempfile.mkdtemp(prefix="hpc-restart-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    args.cache_dir = directory / "prefix-cache"
-    shutil.rmtree(args.cache_dir, ignore_errors=True)  # the first engine starts empty
+    args.dir = args.dir or Path(tempfile.mkdtemp(prefix="hpc-restart-"))
+    args.dir.mkdir(parents=True, exist_ok=True)
+    args.cache_dir = args.dir / "prefix-cache"
+    shutil.rmtree(args.cache_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for restart.json and .md")
+    add_options(ap)
+    args = ap.parse_args()
+    resolve(ap, args)
     command = "python benchmarks/restart.py " + " ".join(sys.argv[1:])
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import platform
 import random
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,35 @@ def add_eager_option(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--eager``: enforce_eager instead of vLLM's default torch.compile and CUDA graphs."""
     help_text = f"{scope}enforce_eager (default: vLLM's graphs)"
     parser.add_argument("--eager", action="store_true", help=help_text)
+
+
+Series = dict[str, tuple[str, tuple[str, str] | None]]
+"""Key -> (Prometheus family, its label's (name, value) or None)."""
+
+
+def series(metrics: Iterable[Any]) -> Series:
+    """The series of the plugin's metrics (`vllm_hpc.runtime.telemetry.Metric`), keyed by
+    their names there."""
+    return {m.name: (m.family, m.label) for m in metrics}
+
+
+def metric_values(names: Series) -> dict[str, int]:
+    """The running engine's counters and gauges ``names`` asks for, summed over engines: vLLM
+    keeps them in this process's Prometheus registry, for the engine started last (0 where
+    none)."""
+    from vllm.v1.metrics.reader import Counter, Gauge, get_metrics_snapshot
+
+    values = dict.fromkeys(names, 0)
+    wanted: dict[str, list[tuple[str, tuple[str, str] | None]]] = {}
+    for key, (family, label) in names.items():
+        wanted.setdefault(family, []).append((key, label))
+    for metric in get_metrics_snapshot():
+        if not isinstance(metric, Counter | Gauge):
+            continue
+        for key, label in wanted.get(metric.name, ()):
+            if label is None or metric.labels.get(label[0]) == label[1]:
+                values[key] += int(metric.value)
+    return values
 
 
 # --- reports -----------------------------------------------------------------------------------

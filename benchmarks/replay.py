@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -49,9 +50,11 @@ from bench_common import (
     cpu_machine,
     gpu_engine_kwargs,
     margin,
+    metric_values,
     native_best_kwargs,
     parallel_kwargs,
     revision,
+    series,
     source_digest,
     vocab_size,
 )
@@ -59,13 +62,16 @@ from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
 from workloads import WORKLOADS, Session, Shape, arrivals, mix
 
 from vllm_hpc.options import DEFAULT_HOST_CACHE_MIB
-from vllm_hpc.runtime.telemetry import COUNTERS
+from vllm_hpc.runtime.telemetry import COUNTERS, LEVELS
 from vllm_hpc.tiny_model import DEFAULT_RECIPE, llm_kwargs
 
-CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host", NATIVE_BEST)
+DISK = "hybrid-prefix-disk"
+CONFIGS = ("native", "hybrid-prefix", "native-dense", "hybrid-prefix-host", DISK, NATIVE_BEST)
 """In this order: a run cut short still compares hybrid-prefix with native; native-dense
 takes its retention interval from the native engine. `hybrid-prefix` is the device tier alone
-(`host_cache_mib` 0), `hybrid-prefix-host` adds a host tier of --host-cache-mib. `native-best`
+(`host_cache_mib` 0), `hybrid-prefix-host` adds a host tier of --host-cache-mib, and
+`hybrid-prefix-disk` (only when --configs names it) a disk tier of --disk-cache-gib under that
+host tier, empty at its start (#50: with a small host tier, its hits beyond it). `native-best`
 is vLLM 0.34's strongest built-in hybrid caching: 64-token prefix matches, the retention interval
 --native-retention, cache-aware admission over --admission-window waiting requests and its CPU
 offloading with the host tier's --host-cache-mib; the report then measures against it. (Runs
@@ -135,6 +141,8 @@ class WorkloadRun:
     cache: dict[str, int] = field(default_factory=dict)
     """hybrid-prefix's counters over the workload that moved (`CACHE_COUNTERS`, keyed as
     `vllm_hpc.runtime.telemetry` names them); empty for vLLM's own caching."""
+    disk: dict[str, int] = field(default_factory=dict)
+    """hybrid-prefix's disk tier at the workload's end (`DISK_LEVELS`); empty without one."""
 
 
 class Sampler:
@@ -276,7 +284,10 @@ def engine_kwargs(
     extra: dict[str, Any] = {}
     if config.startswith("hybrid-prefix"):
         extra["kv_cache_manager"] = "hybrid-prefix"
-        extra["host_cache_mib"] = args.host_cache_mib if config == "hybrid-prefix-host" else 0
+        extra["host_cache_mib"] = 0 if config == "hybrid-prefix" else args.host_cache_mib
+    if config == DISK:
+        extra["disk_cache_dir"] = str(disk_tier_dir(args))
+        extra["disk_cache_gib"] = args.disk_cache_gib
     limits: dict[str, Any] = {
         "max_model_len": profile.max_model_len,
         "gpu_memory_utilization": profile.memory,
@@ -299,36 +310,25 @@ def engine_kwargs(
     )
 
 
+def disk_tier_dir(args: argparse.Namespace) -> Path:
+    """The disk tier's directory: a folder of its own under --disk-cache-dir, emptied before
+    and after its engine (a journal left there would serve hits; its slab file is
+    preallocated)."""
+    return Path(args.disk_cache_dir) / "replay-disk-tier"
+
+
 SPEC_COUNTERS = {
     "draft_tokens": ("vllm:spec_decode_num_draft_tokens", None),
     "accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", None),
 }
 """vLLM's speculative-decoding counters, read around each workload."""
-CACHE_COUNTERS = {m.name: (m.family, m.label) for m in COUNTERS}
+CACHE_COUNTERS = series(COUNTERS)
 """hybrid-prefix's own counters (`vllm:hpc_*`), read around each workload too: whether a tap the
 plan had was skipped for want of a device slot, or a snapshot evicted, shows in the hits only
 as a shallower resume (`docs/notes/deep-edit-turn-6.md`)."""
-
-Counters = dict[str, tuple[str, tuple[str, str] | None]]
-"""Key -> (Prometheus family, its label's (name, value) or None)."""
-
-
-def counters(names: Counters) -> dict[str, int]:
-    """The running engine's counters ``names`` asks for, summed over engines: vLLM keeps them
-    in this process's Prometheus registry, for the engine started last (0 where none)."""
-    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
-
-    values = dict.fromkeys(names, 0)
-    wanted: dict[str, list[tuple[str, tuple[str, str] | None]]] = {}
-    for key, (family, label) in names.items():
-        wanted.setdefault(family, []).append((key, label))
-    for metric in get_metrics_snapshot():
-        if not isinstance(metric, Counter):
-            continue
-        for key, label in wanted.get(metric.name, ()):
-            if label is None or metric.labels.get(label[0]) == label[1]:
-                values[key] += int(metric.value)
-    return values
+DISK_LEVELS = series(m for m in LEVELS if m.name.startswith("disk_bytes_"))
+"""hybrid-prefix's disk tier, read at each workload's end (`vllm:hpc_disk_bytes_{used,free}`):
+what the tier, empty at the engine's start, holds of the workloads so far."""
 
 
 async def run_config(
@@ -375,15 +375,23 @@ async def run_config(
         for name, build in builds.items():
             sessions = build()
             memory.reset()
-            before = counters({**SPEC_COUNTERS, **CACHE_COUNTERS})
+            before = metric_values({**SPEC_COUNTERS, **CACHE_COUNTERS})
             began = time.perf_counter()
             records = await replay(engine, sessions, params, profile.concurrency, ids)
             wall_s = time.perf_counter() - began
-            after = counters({**SPEC_COUNTERS, **CACHE_COUNTERS})
+            after = metric_values({**SPEC_COUNTERS, **CACHE_COUNTERS})
             spec = {k: after[k] - before[k] for k in SPEC_COUNTERS}
             cache = {k: n for k in CACHE_COUNTERS if (n := after[k] - before[k])}
+            disk = {k: n for k, n in metric_values(DISK_LEVELS).items() if n}
             run = WorkloadRun(
-                records, wall_s, memory.host, memory.device, memory.load, **spec, cache=cache
+                records,
+                wall_s,
+                memory.host,
+                memory.device,
+                memory.load,
+                **spec,
+                cache=cache,
+                disk=disk,
             )
             result["workloads"][name] = asdict(run)
             cached = sum(r.cached_tokens for r in records)
@@ -446,8 +454,8 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     parser.add_argument("--name", default=None, help="file stem (default: replay_<profile>)")
     parser.add_argument(
         "--configs",
-        default=",".join(c for c in CONFIGS if c != NATIVE_BEST),
-        help="comma-separated; native-best (vLLM 0.34's flags) only when asked for",
+        default=",".join(c for c in CONFIGS if c not in (DISK, NATIVE_BEST)),
+        help=f"comma-separated; {DISK} and native-best (vLLM 0.34's flags) only when asked for",
     )
     parser.add_argument(
         "--host-cache-mib",
@@ -456,6 +464,14 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
         help="host tier of hybrid-prefix-host, and native-best's CPU offloading",
     )
     add_native_best_options(parser)
+    parser.add_argument(
+        "--disk-cache-dir",
+        type=Path,
+        help=f"{DISK}: where its disk tier's folder goes (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--disk-cache-gib", type=int, help=f"{DISK}: its disk tier (needed when it runs)"
+    )
     parser.add_argument("--workloads", help="comma-separated subset, by name")
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument(
@@ -478,6 +494,10 @@ def parse_args() -> tuple[argparse.Namespace, Profile]:
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
     check_native_best(parser, args.configs.split(","))
+    if DISK in args.configs.split(","):
+        if args.disk_cache_gib is None:
+            parser.error(f"{DISK} needs --disk-cache-gib")
+        args.disk_cache_dir = args.disk_cache_dir or Path(tempfile.mkdtemp(prefix="hpc-replay-"))
     base = PROFILES[args.profile]
     profile = Profile(
         **{
@@ -494,6 +514,8 @@ RUN_SETTINGS: dict[str, Any] = {
     "speculative_config": None,
     "kv_cache_gib": None,
     "tensor_parallel_size": 1,
+    "host_cache_mib": DEFAULT_HOST_CACHE_MIB,
+    "disk_cache_gib": None,
 }
 """The options every configuration of a run shares, which --resume must match, each with the
 value a JSON written before the option existed ran with."""
@@ -551,7 +573,13 @@ def main() -> None:
             raise SystemExit("native-dense takes its retention interval from native: run it first")
         kwargs = engine_kwargs(config, profile, args, block)
         print(f"[{config}] starting", flush=True)
-        data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
+        if config == DISK:
+            shutil.rmtree(disk_tier_dir(args), ignore_errors=True)
+        try:
+            data["configs"][config] = asyncio.run(run_config(kwargs, builds, profile, memory))
+        finally:
+            if config == DISK:
+                shutil.rmtree(disk_tier_dir(args), ignore_errors=True)
         graphs = "torch.compile and CUDA graphs (vLLM's defaults)"
         data["configs"][config]["mode"] = "eager" if kwargs["enforce_eager"] else graphs
         path.write_text(json.dumps(data))

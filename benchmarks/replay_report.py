@@ -11,6 +11,7 @@ the markdown is still written and says so.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -22,8 +23,9 @@ from bench_common import baseline, publish, ratio, table_head, times
 
 from vllm_hpc.exactness import NEAR_TIE
 
-OURS = ("hybrid-prefix", "hybrid-prefix-host")
-"""Measured against the targets: device only, and with the host tier (the plugin's default)."""
+OURS = ("hybrid-prefix", "hybrid-prefix-host", "hybrid-prefix-disk")
+"""Measured against the targets: device only, with the host tier (the plugin's default), and with
+a disk tier under it."""
 TARGETS = [
     ("token hit rate, mix", "mix", "hit_rate", ">=", 1.5),
     ("token hit rate, branching", "branching", "hit_rate", ">=", 3.0),
@@ -293,9 +295,10 @@ def _answers(data: dict[str, Any]) -> list[str]:
 def _cache_counters(data: dict[str, Any]) -> list[str]:
     """hybrid-prefix's own counters per workload, where the run recorded them
     (`replay.CACHE_COUNTERS`): a tap skipped for want of a device slot, or a snapshot evicted,
-    shows in the hits only as a shallower resume."""
+    shows in the hits only as a shallower resume. Beside them its disk tier at the workload's
+    end, where there was one (`replay.DISK_LEVELS`)."""
     rows = [
-        (w, c, run["cache"])
+        (w, config, c, run)
         for c, config in data["configs"].items()
         for w, run in config["workloads"].items()
         if run.get("cache")
@@ -308,13 +311,31 @@ def _cache_counters(data: dict[str, Any]) -> list[str]:
         "",
         "Increments over each workload of the `vllm:hpc_*` counters that moved, by their names "
         "in `vllm_hpc/runtime/telemetry.py` (`taps_skipped_no_slot`: taps and endpoints skipped "
-        "for want of a device snapshot slot).",
+        "for want of a device snapshot slot; `hit_tokens_disk`: hits read back from the disk "
+        "tier). The disk tier at the end: its bytes in use and free "
+        "(`vllm:hpc_disk_bytes_{used,free}`), empty at the engine's start; with room left free, "
+        "what it holds is every entry the cache wrote behind and kept, the working set as the "
+        "cache keeps it, here against the host tier.",
         "",
-        *table_head("workload | configuration | counters"),
+        *table_head("workload | configuration | counters | disk tier at the end"),
     ]
-    for w, c, values in rows:
-        lines.append(f"| {w} | {c} | {', '.join(f'{k} {v:,}' for k, v in values.items())} |")
+    for w, config, c, run in rows:
+        counters = ", ".join(f"{k} {v:,}" for k, v in run["cache"].items())
+        lines.append(f"| {w} | {c} | {counters} | {_disk_at_end(config, run)} |")
     return lines
+
+
+def _disk_at_end(config: dict[str, Any], run: dict[str, Any]) -> str:
+    """The disk tier's bytes in use (against the host tier) and free at a workload's end."""
+    disk = run.get("disk")
+    if not disk:
+        return "-"
+    used, free = disk.get("disk_bytes_used", 0), disk.get("disk_bytes_free", 0)
+    host = config["engine"]["kwargs"]["additional_config"]["host_cache_mib"] << 20
+    return (
+        f"{used / 2**20:,.0f} MiB in use ({used / host:.1f}x the host tier), "
+        f"{free / 2**20:,.0f} MiB free"
+    )
 
 
 def _engines(data: dict[str, Any]) -> list[str]:
@@ -380,7 +401,7 @@ def plots(data: dict[str, Any], table: Table, out: Path) -> None:
 
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, w in zip(axes.flat, workloads, strict=False):
-        for c, style in zip(configs, ["-", "--", ":", "-."], strict=False):
+        for c, style in zip(configs, itertools.cycle(["-", "--", ":", "-."])):
             reqs = data["configs"][c]["workloads"].get(w, {}).get("requests", [])
             # Line styles apart, so configurations that cached the same stay visible.
             ax.plot([r["cached_tokens"] for r in reqs], style, marker=".", label=c)

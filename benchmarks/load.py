@@ -89,11 +89,13 @@ from bench_common import (
     check_native_best,
     cpu_machine,
     gpu_engine_kwargs,
+    metric_values,
     native_best_kwargs,
     parallel_kwargs,
     random_prompt,
     ratio,
     revision,
+    series,
     source_digest,
     table_head,
     times,
@@ -103,6 +105,7 @@ from gpu_speed import device_name, engine_facts, release_device
 
 from vllm_hpc.glue.worker.call_clock import SLOW_CALL_SECONDS
 from vllm_hpc.options import DEFAULT_HOST_CACHE_MIB, OPTION_SPECS
+from vllm_hpc.runtime.telemetry import COUNTERS
 
 # The hybrid side's counts come from its workers through `LLM.collective_rpc` with the plugin's
 # functions (`bench_engine`); to an engine core in a process of its own, vLLM sends a function
@@ -348,12 +351,26 @@ REQUEST_IDS = itertools.count()
 """Request ids unique over the process (`LLM.generate` numbers its own; it is not used here)."""
 
 
+TIER_WRITES = series(m for m in COUNTERS if m.name in ("host_write_bytes", "disk_write_bytes"))
+"""The bytes the plugin's host and disk tiers wrote (`vllm:hpc_host_bytes`, `vllm:hpc_disk_bytes`
+with what="written"), read around each batch."""
+
+
+def tier_writes(llm: Any) -> dict[str, int]:
+    """`TIER_WRITES` so far; none on vLLM's own caching."""
+    if llm.llm_engine.vllm_config.additional_config.get("kv_cache_manager") != HYBRID:
+        return {}
+    return metric_values(TIER_WRITES)
+
+
 def run_batch(
     llm: Any, prompts: list[list[int]], max_tokens: int
 ) -> tuple[dict[str, Any], list[list[int]], Stream]:
     """Submit ``prompts`` together and step the engine until all finish, as `LLM.generate`
     does, but streamed (DELTA), since it forces final outputs only: the batch's figures and
-    records, the answers, and what the stream showed (module docstring: where each is timed)."""
+    records, the answers, and what the stream showed (module docstring: where each is timed).
+    The figures include the MiB the plugin's host and disk tiers wrote meanwhile
+    (`TIER_WRITES`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -366,6 +383,7 @@ def run_batch(
         output_kind=RequestOutputKind.DELTA,
     )
     ids = [f"load-{next(REQUEST_IDS)}" for _ in prompts]
+    written = tier_writes(llm)
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
@@ -394,7 +412,10 @@ def run_batch(
             last_step = step_ts
     wall_s = time.perf_counter() - start
     records = [request_record(finals[rid], answers[rid]) for rid in ids]
-    result = {"summary": summarize_batch(records, wall_s, stream), "records": records}
+    summary = summarize_batch(records, wall_s, stream)
+    for key, total in tier_writes(llm).items():
+        summary[key.replace("_write_bytes", "_written_mib")] = (total - written[key]) / 2**20
+    result = {"summary": summary, "records": records}
     return result, [answers[rid] for rid in ids], stream
 
 
@@ -809,6 +830,8 @@ BURST_ROWS = (
     ("most requests running at once", "peak_running", "{:d}"),
     ("preemptions", "preemptions", "{:d}"),
     ("cached prompt tokens", "cached_tokens", "{:,d}"),
+    ("host tier written (MiB)", "host_written_mib", "{:,.0f}"),
+    ("disk tier written (MiB)", "disk_written_mib", "{:,.0f}"),
 )
 
 

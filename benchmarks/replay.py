@@ -9,8 +9,8 @@ flight; and two public traces replayed as sessions the same way. Each engine is 
 `AsyncLLM` with `vllm serve`'s defaults (prefill chunk, batch limits); TTFT and end-to-end
 latency are taken at the client, from sending a request to its first and last output. Greedy
 answers with top-2 logprobs, so the report can tell a near-tie from a real difference. Writes
-`replay_<profile>.json` to --out after every configuration (--resume JSON continues a partial run)
-and then the report through `replay_report.py`.
+`replay_<profile>.json` and its report (`replay_report.py`) to --out after every configuration
+(--resume JSON continues a partial run).
 
 CPU, tiny model (a few minutes):
 
@@ -58,6 +58,7 @@ from bench_common import (
     source_digest,
     vocab_size,
 )
+from replay_report import write_report
 from traces import MINISWE, MOONCAKE, TRACES, Trace, fixed, trace_sessions
 from workloads import WORKLOADS, Session, Shape, arrivals, mix
 
@@ -583,10 +584,9 @@ def main() -> None:
         graphs = "torch.compile and CUDA graphs (vLLM's defaults)"
         data["configs"][config]["mode"] = "eager" if kwargs["enforce_eager"] else graphs
         path.write_text(json.dumps(data))
+        write_report(path)  # so far: a run cut short keeps its report too
     memory.stop.set()
     path.write_text(json.dumps(data))  # also when --resume left nothing to run
-    from replay_report import write_report
-
     write_report(path)
 
 

@@ -64,16 +64,20 @@ case "${1:-}" in
         tier=${DISK_DIR:-/tmp/hpc-disk} out=$3/disk failed=0
         kept() { [ -f "$1" ] && echo "$1" || true; }
         resume=$(kept "$out/gpu_disk_tier.json")
-        python3 benchmarks/gpu_disk_tier.py --model "${MODEL:-.gpu/model27b-vl}" \
+        # Each part has a cap (timeout kills its process group, engine cores included): on the
+        # CPU a replay's disk engine once stepped forever without finishing a request.
+        timeout -k 30 900 python3 benchmarks/gpu_disk_tier.py --model "${MODEL:-.gpu/model27b-vl}" \
           --max-num-seqs "${MAX_NUM_SEQS:-256}" --dir "$tier/restart" --out "$out" \
           ${resume:+--resume "$resume"} || failed=1
         rm -rf "$tier/restart" "$tier/load"  # a journal left there would serve the burst hits
-        OUT="$out/load" LOAD_RESUME=$(kept "$out/load/load.json") bash "$0" load native,hybrid-prefix \
+        OUT="$out/load" LOAD_RESUME=$(kept "$out/load/load.json") timeout -k 30 900 \
+          bash "$0" load native,hybrid-prefix \
           --workloads burst --disk-cache-dir "$tier/load" --disk-cache-gib "${LOAD_DISK_GIB:-16}" \
           || failed=1
         rm -rf "$tier/load"
         OUT="$out/replay" RESUME=$(kept "$out/replay/replay_gpu.json") WORKLOADS=mix \
-          MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} bash "$0" replay native,hybrid-prefix-host,hybrid-prefix-disk \
+          MAX_NUM_SEQS=${MAX_NUM_SEQS:-256} timeout -k 30 1200 \
+          bash "$0" replay native,hybrid-prefix-host,hybrid-prefix-disk \
           ${MIX_SESSIONS:+--mix-sessions "$MIX_SESSIONS"} --host-cache-mib "${DISK_HOST_MIB:-2048}" \
           --disk-cache-dir "$tier" --disk-cache-gib "${DISK_GIB:-32}" || failed=1
         exit "$failed" ;;

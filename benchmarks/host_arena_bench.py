@@ -13,9 +13,14 @@ image). Measures, in one run:
   `HostArena.restore` returns, and until the copies have landed;
 - a finishing wave (16 requests of 18 scattered blocks and an endpoint image each, as in the
   256-request burst of `gpu_load.md`): the CPU time of `HostArena.write` until it returns,
-  with the copy stream idle.
+  with the copy stream idle;
+- with ``--disk DIR`` (#50), the disk tier's restore path below the engine: 256 block records
+  and one image written from the arena's slabs to a slab file in DIR by the worker's
+  `DiskStore`, then read back into the same slabs (O_DIRECT, the tier's depth, CRCs checked) and
+  restored to the device, against the sequential read bandwidth of DIR's filesystem
+  (`disk_io.py`'s baseline pass on a cold file of the same size).
 
-    python benchmarks/host_arena_bench.py
+    python benchmarks/host_arena_bench.py [--disk /tmp/hpc-disk]
     python benchmarks/host_arena_bench.py --plan-only    # any machine: the wave's planning alone
 """
 
@@ -31,8 +36,10 @@ from typing import Any
 
 import torch
 
+from vllm_hpc.glue.worker.disk_store import DiskRecord, DiskSlabFile, DiskStore
 from vllm_hpc.glue.worker.host_arena import HostArena, SlabGrid
 from vllm_hpc.glue.worker.host_layout import DeviceLayout
+from vllm_hpc.index import SlabId
 from vllm_hpc.runtime.plan import ImageCopy, PageSlab
 
 HEADS, TOKENS, DIM = 4, 64, 256
@@ -126,10 +133,63 @@ def plan_only() -> None:
     print(f"planning its write-through: {ms:.2f} ms (median of 20)")
 
 
+def disk_restore(arena: HostArena, directory: Path, blocks: list[int], image: list[int]) -> None:
+    """The restore path from disk: `DiskStore` reads a block record per slab and the image as
+    one record into the arena's slabs, then `HostArena.restore` copies them to the device; both
+    timed apart and together, against a sequential read of a cold file of the same size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from disk_io import baseline, cold_file
+
+    slab_bytes = arena.grid.slab_bytes
+    host = [*blocks, *image]
+    nbytes = len(host) * slab_bytes
+    directory.mkdir(parents=True, exist_ok=True)
+    with cold_file(directory, nbytes) as target:
+        sequential = baseline(target)["sequential_mib_s"] or 0.0
+    views = [memoryview(arena.slab(slab).numpy()) for slab in host]
+    records = [DiskRecord((SlabId(i),), (views[i],)) for i in range(len(blocks))]
+    first = len(blocks)
+    records.append(
+        DiskRecord(tuple(SlabId(first + i) for i in range(len(image))), tuple(views[first:]))
+    )
+    file = DiskSlabFile(directory / "host_arena_bench.slabs", slab_bytes, len(host))
+    direct = file.direct
+    store = DiskStore(file)
+    try:
+        writing = store.submit_write(records)
+        assert writing is not None
+        written = writing.wait()
+        assert written.error is None, written.error
+        pairs = [PageSlab(page, slab) for page, slab in enumerate(blocks)]
+        copy = ImageCopy(2, tuple(image))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        reading = store.submit_read(records, written.crcs)
+        assert reading is not None
+        got = reading.wait()
+        assert got.ok, got.failures
+        read = time.perf_counter()
+        arena.restore(blocks=pairs, image=copy).synchronize()
+        landed = time.perf_counter()
+    finally:
+        store.close()
+        file.path.unlink(missing_ok=True)
+    mib = nbytes / 2**20
+    print(
+        f"disk restore of {len(blocks)} blocks and one image ({mib:.0f} MiB, O_DIRECT "
+        f"{direct}): disk -> host {mib / (read - start):.0f} MiB/s, then host -> device "
+        f"{(landed - read) * 1e3:.0f} ms; disk -> device {mib / (landed - start):.0f} MiB/s = "
+        f"{mib / (landed - start) / sequential:.2f}x the filesystem's sequential read "
+        f"({sequential:.0f} MiB/s)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan-only", action="store_true", help="the wave's planning, on the CPU")
-    if ap.parse_args().plan_only:
+    ap.add_argument("--disk", type=Path, help="also the disk tier's restore path, in this folder")
+    args = ap.parse_args()
+    if args.plan_only:
         plan_only()
         return
     layout = build_layout(torch.device("cuda"), RESTORE_BLOCKS)
@@ -209,6 +269,8 @@ def main() -> None:
         f"(median of 20, batched: {arena.batched})"
     )
     print("arena counters:", arena.stats)
+    if args.disk:
+        disk_restore(arena, args.disk, consecutive, image)
 
 
 if __name__ == "__main__":

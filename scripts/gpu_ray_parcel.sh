@@ -10,6 +10,11 @@
 #       cat /tmp/ray.half1 .gpu/ray/half2 > /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl && \
 #       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
 #         /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl .gpu/ray/deps/*.whl
+# For vLLM 0.32's staging (../shared/gpu). vLLM 0.34: scripts/stage_vllm034.sh carries Ray 2.60.0
+# among its extras (xz'd to 21 MiB, one piece with the MoE kernels), beside the pinned jsonschema
+# its deps already hold; this parcel's unpinned deps would sit beside those. vLLM 0.34.0 declares
+# no Ray requirement at all (0.32.0 wanted ray[cgraph]>=2.48.0 for its compiled-graph executor);
+# its RayExecutorV2 uses Ray's core API only, which 2.60.0 has.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=.gpu/ray

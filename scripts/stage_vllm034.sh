@@ -2,25 +2,53 @@
 # Build the pieces that put vLLM 0.34.0 (CUDA build) and FlashInfer 0.7.4 onto the lent GPU machine.
 #
 # Run from the project root on the development machine (idempotent; the first run takes ~15 min,
-# mostly xz; later runs reuse what is unchanged):
+# mostly xz; later runs reuse what is unchanged and leave unchanged pieces untouched):
 #     bash scripts/stage_vllm034.sh
 # It writes ./.gpu034/ (ignored through .git/info/exclude):
-#     partA, partB, ...   one stream of concatenated .tar.xz components, cut into pieces of at most
-#                         $CHUNK_MIB MiB: a device call carries 64 MiB with the project's tree, and
-#                         vLLM's compiled core alone is ~56 MiB after xz, so pieces cut across files
-#     manifest            sha256, size and name of each piece (carried with every piece)
+#     partA..partD        the base stream: vLLM's compiled core, FlashAttention-3, vLLM's Python
+#                         code, the wheels the device image lacks (the OpenAI server's among them),
+#                         FlashInfer and the CuTe DSL: one stream of concatenated .tar.xz
+#                         components, cut into pieces of at most $CHUNK_MIB MiB (a device call
+#                         carries 64 MiB with the project's tree, and vLLM's compiled core alone is
+#                         ~56 MiB after xz, so pieces cut across files)
+#     manifest            sha256, size and name of each base piece (carried with every base piece)
+#     partE               the extras stream ($EXTRAS): what only the engine test modules need
+#                         (vLLM's MoE kernels 24.5 MiB, Humming 0.4, Ray 21.3 after xz: one
+#                         46 MiB piece), lettered after the base pieces
+#     manifest-extras     the same for the extras pieces (carried with every extras piece)
 #     cache/              downloads and per-component .tar.xz (reused when their inputs match)
 # The device side is scripts/unpack_vllm034.sh (a file of the checkout, so it travels by itself).
+#
+# Device calls, back to back (a machine goes back 30 s after a call; each call carries one piece
+# and the project's tree, ~10 MiB; `bash scripts/stage_vllm034.sh` prints the sizes):
+#   1  carry [".gpu034/partA", ".gpu034/manifest"]   bash scripts/unpack_vllm034.sh A
+#   2  carry [".gpu034/partB", ".gpu034/manifest"]   bash scripts/unpack_vllm034.sh B
+#   3  carry [".gpu034/partC", ".gpu034/manifest"]   bash scripts/unpack_vllm034.sh C
+#   4  carry [".gpu034/partD", ".gpu034/manifest", <ignored paths the job needs, e.g. ".gpu/model27b-vl">]
+#         bash scripts/unpack_vllm034.sh D && bash scripts/gpu_jobs.sh start NAME scripts/gpu_vllm034.sh ... \
+#           && bash scripts/gpu_jobs.sh wait $((570 - SECONDS))
+#      (the last base piece unpacks everything into /tmp/site, writes .gpu034/env.sh and checks)
+#   5  carry [".gpu034/partE", ".gpu034/manifest-extras"]   (the same for any later extras piece)
+#         bash scripts/unpack_vllm034.sh E && bash scripts/gpu_jobs.sh wait $((570 - SECONDS))
+#   6+ no carry: bash scripts/gpu_jobs.sh wait 570
+# The extras pieces only need to arrive before the engine test modules start: call 5 is a call
+# that waits on the job anyway. Their pieces are only kept there (/tmp/stage034x); the
+# modules step (`scripts/gpu_vllm034.sh modules`) unpacks them, or `bash scripts/unpack_vllm034.sh
+# extras` does by hand. A job that needs no extras (replay, load) needs calls 1-4 only.
+# benchmarks/results/gpu_vllm034.md ("Next lease") gives the whole sequence of the next session.
+#
 # Knobs: CHUNK_MIB (48), WITH_CUTE_DSL (1: nvidia-cutlass-dsl, which FlashInfer's SM90 GDN prefill
-# needs), WITH_MOE (0: vLLM's MoE kernels, not needed for dense models), VLLM_WHEEL (a local copy
-# of the vLLM wheel, instead of downloading it).
+# needs), EXTRAS ("moe humming ray"; "" builds no extras stream), VLLM_WHEEL (a local copy of the
+# vLLM wheel, instead of downloading it), XZ_THREADS (0: all cores; this machine's are shared).
 set -euo pipefail
 VLLM_VERSION=0.34.0
 FI_VERSION=0.7.4
 CUTE_DSL_VERSION=4.8.0
 CHUNK_MIB=${CHUNK_MIB:-48}
 WITH_CUTE_DSL=${WITH_CUTE_DSL:-1}
-WITH_MOE=${WITH_MOE:-0}
+EXTRAS=${EXTRAS-moe humming ray}
+RAY_VERSION=2.60.0
+HUMMING_VERSION=0.1.19
 # Bump a component's tag below (r1, r2, ...) when its rules change, so its cached .tar.xz is rebuilt.
 RULES=4
 
@@ -34,15 +62,20 @@ grep -qx '/.gpu034/' .git/info/exclude 2>/dev/null || echo '/.gpu034/' >> .git/i
 
 # Run a command quietly; show its output only if it fails. (PIP_CONSTRAINT: this machine's pip
 # config pins versions for the host venv, which must not apply to the device's wheels.)
-quiet() { local log; log=$(mktemp); if ! PIP_CONSTRAINT= "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi; rm -f "$log"; }
+quiet() { local log; log=$(mktemp); if ! PIP_CONSTRAINT='' "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi; rm -f "$log"; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
-XZ=(xz -9 -T0 --block-size=128MiB)   # blocks let the device decompress in parallel
+XZ=(xz -9 "-T${XZ_THREADS:-0}" --block-size=128MiB)   # blocks let the device decompress in parallel
 TAR=(tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=2026-01-01)
 
 # Wheels the device image lacks (its list: /work/.library/device/KINDS.md), for cp312 x86_64.
 # The 0.32 list (../shared/gpu/device-requirements.txt) plus what 0.34 added, among them
 # quack_kernels (vLLM 0.34's kernel warm-up imports it on CUDA for every model, through MiniMax
-# M3's warm-up) and jsonschema with its needs (the vision-language class's processor).
+# M3's warm-up) and jsonschema with its needs (the vision-language class's processor). The OpenAI
+# server needs nothing more (0.32's runs carried its wheels apart, `.gpu/srvwhl`): traced on the
+# development machine (Python 3.11, its own versions), importing every module under
+# vllm/entrypoints of the 0.34.0 wheel loads only packages that the image or this list holds,
+# save the Cohere API's `cohere` SDK (which vLLM probes for) and the gRPC server's (vllm[grpc]).
+# `bash scripts/unpack_vllm034.sh preflight` imports the server on the device itself.
 cat > "$CACHE/requirements.txt" <<'EOF'
 annotated_doc==0.0.7
 annotated_types==0.8.0
@@ -142,6 +175,23 @@ quiet pip download --no-deps "${PLATFORMS[@]}" -r "$CACHE/requirements.txt" -d "
 mkdir -p "$CACHE/fi" "$CACHE/dsl"
 quiet pip download --no-deps "${PLATFORMS[@]}" "${FI_REQS[@]}" -d "$CACHE/fi"
 [ "$WITH_CUTE_DSL" = 1 ] && quiet pip download --no-deps "${PLATFORMS[@]}" "${DSL_REQS[@]}" -d "$CACHE/dsl"
+# The extras' wheels. Ray: vLLM 0.34.0 declares none (no requirement, no extra; its RayExecutorV2
+# uses Ray's core API: actors, placement groups, runtime_env, get_accelerator_ids, all in 2.60.0,
+# the version the 0.32 runs used; only its sharded_rdt weight transfer asks for >= 2.56). Ray's
+# own needs are in the image or in deps (jsonschema and its three). Humming: vLLM 0.34.0 requires
+# humming-kernels and on SM90 ranks it ahead of Marlin for GPTQ/AWQ, linear and MoE (it compiles
+# its kernels with NVRTC against the system CUDA at run time); without it vLLM takes Marlin.
+EXTRA_REQS=()
+for e in $EXTRAS; do
+  case $e in
+    moe) ;;
+    ray) EXTRA_REQS+=("ray==$RAY_VERSION") ;;
+    humming) EXTRA_REQS+=("humming_kernels==$HUMMING_VERSION") ;;
+    *) echo "unknown extra '$e' (EXTRAS: moe humming ray)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$CACHE/extra"
+[ ${#EXTRA_REQS[@]} -eq 0 ] || quiet pip download --no-deps "${PLATFORMS[@]}" "${EXTRA_REQS[@]}" -d "$CACHE/extra"
 
 # Pick exactly one wheel per requirement (a stale second version in the cache would stop pip).
 want_whl() { # dir, requirements -> WANT=(wheel files)
@@ -154,9 +204,15 @@ want_whl() { # dir, requirements -> WANT=(wheel files)
   done
   shopt -u nocaseglob
 }
-want_whl "$CACHE/whl" $(grep -v '^#' "$CACHE/requirements.txt"); DEP_WHLS=("${WANT[@]}")
+mapfile -t DEP_REQS < <(grep -v '^#' "$CACHE/requirements.txt")
+want_whl "$CACHE/whl" "${DEP_REQS[@]}"; DEP_WHLS=("${WANT[@]}")
 want_whl "$CACHE/fi" "${FI_REQS[@]}"; FI_WHLS=("${WANT[@]}")
 DSL_WHLS=(); if [ "$WITH_CUTE_DSL" = 1 ]; then want_whl "$CACHE/dsl" "${DSL_REQS[@]}"; DSL_WHLS=("${WANT[@]}"); fi
+RAY_WHLS=(); HUMMING_WHLS=()
+for r in "${EXTRA_REQS[@]}"; do
+  want_whl "$CACHE/extra" "$r"
+  case $r in ray==*) RAY_WHLS=("${WANT[@]}") ;; humming*) HUMMING_WHLS=("${WANT[@]}") ;; esac
+done
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -224,6 +280,18 @@ comp_cutedsl() {
   pip_target "${DSL_WHLS[@]}"
   rm -rf nvidia_cutlass_dsl/cu13/lib/stubs
 }
+# The extras. MoE: vLLM's MoE kernels (Qwen3.5-MoE, quantized or not: moe_align_block_size,
+# Marlin MoE, ...); vLLM imports them quietly when present, and without them a MoE model fails at
+# its first forward. Humming: pure Python and a small launcher. Ray, trimmed (~200 MiB -> ~150):
+# the Java jars, the dashboard's web client (the tests start Ray without the dashboard) and
+# RLlib; its Python packages stay (Ray's dashboard agent, which runtime_env needs, imports from
+# many of them).
+comp_humming() { pip_target "${HUMMING_WHLS[@]}"; }
+comp_ray() {
+  pip_target "${RAY_WHLS[@]}"
+  rm -rf ray/jars ray/dashboard/client/build ray/rllib
+  find ray -name '*.js.map' -delete
+}
 
 echo "== components (xz -9; cached in $COMP)"
 COMPS=(core fa3 vllmpy deps flashinfer)
@@ -233,43 +301,106 @@ build vllmpy "$(key_of r1 "$WHEEL")" comp_vllmpy
 build deps "$(key_of r1 "${DEP_WHLS[@]}")" comp_deps
 build flashinfer "$(key_of r2 "${FI_WHLS[@]}")" comp_flashinfer
 if [ "$WITH_CUTE_DSL" = 1 ]; then COMPS+=(cutedsl); build cutedsl "$(key_of r1 "${DSL_WHLS[@]}")" comp_cutedsl; fi
-if [ "$WITH_MOE" = 1 ]; then COMPS+=(moe); build moe "$(key_of r1 "$WHEEL")" comp_moe; fi
+XCOMPS=()
+for e in $EXTRAS; do
+  XCOMPS+=("$e")
+  case $e in
+    moe) build moe "$(key_of r1 "$WHEEL")" comp_moe ;;
+    humming) build humming "$(key_of r1 "${HUMMING_WHLS[@]}")" comp_humming ;;
+    ray) build ray "$(key_of r1 "${RAY_WHLS[@]}")" comp_ray ;;
+  esac
+done
 
-# One stream (xz and tar both read concatenated members: `xz -dc | tar -xi`), cut into pieces.
+# A stream of components (xz and tar both read concatenated members: `xz -dc | tar -xi`), cut
+# into pieces lettered from FIRST; left as it is when its components and cut are unchanged, so a
+# re-run does not rewrite pieces that may be on their way to the device.
+LETTERS=ABCDEFGHIJKLMNOPQRSTUVWXYZ
+pieces_of() { [ -s "$OUT/$1" ] && cut -d' ' -f3 "$OUT/$1" || true; }
+drop_stream() { # MANIFEST: delete its pieces, itself and its key
+  local p
+  for p in $(pieces_of "$1"); do rm -f "${OUT:?}/$p"; done
+  rm -f "$OUT/$1" "$OUT/$1.key"
+}
+stream_intact() { # MANIFEST KEY
+  [ -s "$OUT/$1" ] && [ "$(cat "$OUT/$1.key" 2>/dev/null)" = "$2" ] || return 1
+  local size name
+  while read -r _ size name; do [ "$(stat -c %s "$OUT/$name" 2>/dev/null)" = "$size" ] || return 1; done < "$OUT/$1"
+}
+cut_stream() { # MANIFEST FIRST-LETTER-INDEX COMPONENTS...: 0 when its pieces changed, else 1
+  local man=$1 first=$2; shift 2
+  local key c i f cutdir names=()
+  key=$( { echo "$CHUNK_MIB $first $*"; for c in "$@"; do cat "$COMP/$c.key"; done; } | sha256sum | cut -c1-16)
+  if stream_intact "$man" "$key"; then echo "   $man: unchanged"; return 1; fi
+  cutdir=$(mktemp -d -p "$OUT")
+  for c in "$@"; do cat "$COMP/$c.tar.xz"; done | split -b "${CHUNK_MIB}M" -a 2 -d - "$cutdir/p"
+  i=$first
+  for f in "$cutdir"/p*; do
+    [ "$i" -lt 26 ] || { echo "more than 26 pieces" >&2; exit 1; }
+    names+=("part${LETTERS:$i:1}"); mv "$f" "$cutdir/part${LETTERS:$i:1}"; i=$((i + 1))
+  done
+  ( cd "$cutdir" && for f in "${names[@]}"; do echo "$(sha256sum "$f" | cut -d' ' -f1) $(stat -c %s "$f") $f"; done ) > "$cutdir/manifest"
+  if stream_intact "$man" "$(cat "$OUT/$man.key" 2>/dev/null)" && cmp -s "$cutdir/manifest" "$OUT/$man"; then
+    rm -rf "$cutdir"; echo "$key" > "$OUT/$man.key"; echo "   $man: unchanged"; return 1
+  fi
+  drop_stream "$man"
+  for c in manifest manifest-extras; do   # the other stream, where it holds one of these names
+    [ "$c" != "$man" ] && pieces_of "$c" | grep -qxF -f <(printf '%s\n' "${names[@]}") && drop_stream "$c"
+  done
+  for f in "${names[@]}"; do mv "$cutdir/$f" "$OUT/$f"; done
+  mv "$cutdir/manifest" "$OUT/$man"; rmdir "$cutdir"
+  echo "$key" > "$OUT/$man.key"
+  return 0
+}
 echo "== pieces of at most $CHUNK_MIB MiB"
-rm -f "$OUT"/part? "$OUT/manifest"
-for c in "${COMPS[@]}"; do cat "$COMP/$c.tar.xz"; done | split -b "${CHUNK_MIB}M" -a 1 - "$OUT/part"
-for f in "$OUT"/part?; do mv "$f" "$OUT/part$(basename "$f" | cut -c5 | tr a-z A-Z)"; done
-( cd "$OUT" && for f in part?; do echo "$(sha256sum "$f" | cut -d' ' -f1) $(stat -c %s "$f") $f"; done ) > "$OUT/manifest"
+cut_stream manifest 0 "${COMPS[@]}" || true
+NBASE=$(pieces_of manifest | wc -l)
+if [ ${#XCOMPS[@]} -gt 0 ]; then cut_stream manifest-extras "$NBASE" "${XCOMPS[@]}" || true
+else drop_stream manifest-extras; fi
 
 TREE=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-mapfile -t PARTS < <(cut -d' ' -f3 "$OUT/manifest")
-N=${#PARTS[@]}
-while read -r _ size name; do
-  echo "   $name  $(mib "$size") MiB  (+ project tree $(mib "$TREE") MiB = $(mib $((size + TREE))) of 64)"
-  [ $((size + TREE)) -lt $((62 * 1048576)) ] || echo "   WARNING: $name and the tree come near the 64 MiB limit; lower CHUNK_MIB" >&2
-done < "$OUT/manifest"
+for man in manifest manifest-extras; do
+  [ -s "$OUT/$man" ] || continue
+  while read -r _ size name; do
+    echo "   $name  $(mib "$size") MiB  (+ project tree $(mib "$TREE") MiB = $(mib $((size + TREE))) of 64)"
+    [ $((size + TREE)) -lt $((62 * 1048576)) ] || echo "   WARNING: $name and the tree come near the 64 MiB limit; lower CHUNK_MIB" >&2
+  done < "$OUT/$man"
+done
 
+mapfile -t PARTS < <(pieces_of manifest)
+mapfile -t XPARTS < <(pieces_of manifest-extras)
+N=${#PARTS[@]}
 echo
-echo "Staged. On the device, $N calls back to back (the machine stays warm only ~30 s between calls):"
+echo "Staged. On the device, calls back to back (the machine stays warm only ~30 s between calls):"
 for i in "${!PARTS[@]}"; do
   p=${PARTS[$i]}; l=${p#part}
   if [ $((i + 1)) -lt "$N" ]; then
     printf '  call %d: carry [".gpu034/%s", ".gpu034/manifest"]  command: bash scripts/unpack_vllm034.sh %s\n' $((i + 1)) "$p" "$l"
   else
-    printf '  call %d: carry [".gpu034/%s", ".gpu034/manifest", <ignored paths your command needs>]\n' $((i + 1)) "$p"
-    printf '          command: bash scripts/unpack_vllm034.sh %s && source .gpu034/env.sh && <your command>\n' "$l"
+    printf '  call %d: carry [".gpu034/%s", ".gpu034/manifest", <ignored paths your job needs>]\n' $((i + 1)) "$p"
+    printf '          command: bash scripts/unpack_vllm034.sh %s && bash scripts/gpu_jobs.sh start NAME scripts/gpu_vllm034.sh ... \\\n' "$l"
+    # shellcheck disable=SC2016  # printed for the device's shell
+    printf '                   && bash scripts/gpu_jobs.sh wait $((570 - SECONDS))\n'
   fi
 done
+for i in "${!XPARTS[@]}"; do
+  p=${XPARTS[$i]}; l=${p#part}
+  printf '  call %d: carry [".gpu034/%s", ".gpu034/manifest-extras"]  (extras: %s)\n' $((N + i + 1)) "$p" "${XCOMPS[*]}"
+  # shellcheck disable=SC2016  # printed for the device's shell
+  printf '          command: bash scripts/unpack_vllm034.sh %s && bash scripts/gpu_jobs.sh wait $((570 - SECONDS))\n' "$l"
+done
 cat <<EOF
-Later calls on the same warm machine: 'source .gpu034/env.sh' (recreate it with
-'bash scripts/unpack_vllm034.sh env' if the re-laid tree lost it). If /tmp/site/vllm is gone, the
-machine went cold: start again at call 1. 'bash scripts/unpack_vllm034.sh smoke' runs FlashInfer's
-Gemma RMSNorm and SM90 GDN prefill once on the GPU against references.
+  then, while the job runs: no carry, command: bash scripts/gpu_jobs.sh wait 570
+The extras pieces are only kept there; 'scripts/gpu_vllm034.sh modules' unpacks them into /tmp/site
+(by hand: 'bash scripts/unpack_vllm034.sh extras'). Commands of your own after the last base piece:
+'source .gpu034/env.sh' first (recreate it with 'bash scripts/unpack_vllm034.sh env' if the re-laid
+tree lost it). If /tmp/site/vllm is gone, the machine went cold: start again at call 1.
+'bash scripts/unpack_vllm034.sh smoke' runs FlashInfer's Gemma RMSNorm and SM90 GDN prefill once on
+the GPU against references.
 vLLM there: env.sh sets VLLM_USE_FLASHINFER_SAMPLER=0. On Hopper vLLM now takes FlashInfer's GDN
 prefill (CuTe DSL, compiled on first use; additional_config={"gdn_prefill_backend": "triton"} keeps
 0.32's Triton path); pass enable_flashinfer_autotune=False to skip FlashInfer's warm-up autotuning.
-JIT caches (FlashInfer, CuTe DSL, Triton) live in /tmp/jitcache: 'bash scripts/unpack_vllm034.sh
-savejit' writes them to \$OUT; copy those files into .gpu034/jit/ here and carry ".gpu034/jit" with
-call 1 (or any later call) to start warm.
+JIT caches (FlashInfer, CuTe DSL, Triton) live in /tmp/jitcache, shared by every process of a
+machine: none are staged, so a fresh machine's first engines compile them. 'bash
+scripts/unpack_vllm034.sh savejit' writes them to \$OUT; copy those files into .gpu034/jit/ here and
+carry ".gpu034/jit" with a call whose piece leaves room for them, to start warm.
 EOF

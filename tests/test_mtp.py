@@ -22,11 +22,13 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    NO_MOE_KERNELS,
     RESUME_PATHS,
     SPECULATIVE_ANSWER,
     assert_same_up_to_near_tie,
     cache_of,
     greedy_params,
+    moe_kernels_missing,
     random_prompt,
     running_llm,
     settle_and_audit,
@@ -62,7 +64,15 @@ VARIANTS = ("eager", "compiled", "async", "moe")
 modes touch the cache's paths, which the dense variants run."""
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(v, marks=pytest.mark.skipif(moe_kernels_missing(), reason=NO_MOE_KERNELS))
+        if v == "moe"
+        else v
+        for v in VARIANTS
+    ],
+)
 def variant(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

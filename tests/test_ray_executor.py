@@ -4,8 +4,9 @@ host restore with a cold run's tokens. Starts and stops a local Ray instance of 
 
 CUDA only: vLLM 0.32.0's CPU platform has no Ray support (its `ray_device_key` is empty, and the
 Ray executor cannot ask Ray for CPU workers), so on these CPU machines it skips. The lent GPU's
-image has no Ray: `scripts/gpu_ray_parcel.sh` says how to carry it there.
-"""
+image has no Ray: `scripts/gpu_ray_parcel.sh` (vLLM 0.32) and `scripts/stage_vllm034.sh`'s extras
+(vLLM 0.34, whose `RayExecutorV2` runs the workers in Ray actors around the multiprocessing
+executor's message queues) carry it there; without it the module skips."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 from engine_support import (
+    NO_RAY,
     RESUME_PATHS,
     cold_reference,
+    ray_missing,
     resume_from_a_tap_an_endpoint_and_the_host,
     small_pool_llm,
 )
@@ -24,6 +27,7 @@ from engine_support import (
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM 0.32.0 runs Ray on GPUs only"),
+    pytest.mark.skipif(ray_missing(), reason=NO_RAY),
 ]
 
 

@@ -20,6 +20,33 @@
 #                                                     disk tier into DIR/disk (below); from a
 #                                                     copy of the tree (start it detached with
 #                                                     scripts/gpu_jobs.sh)
+#   bash scripts/gpu_vllm034.sh modules DIR           every real-engine test module (marked
+#                                                     `engine`) on CUDA, into DIR: the extras
+#                                                     unpacked first (waiting up to $EXTRAS_WAIT_S,
+#                                                     600, for their pieces), then one pool of
+#                                                     groups, $MODULES_PARALLEL (8) at once
+#                                                     (scripts/gpu_engine_modules.sh all): a module
+#                                                     a group, the modules of MODULES_SPLIT (below) a
+#                                                     variant a group; each group stops after
+#                                                     $MODULES_LIMIT_S (1200); the GDN prefill is
+#                                                     vLLM's own choice unless
+#                                                     $MODULES_GDN_BACKEND (e.g. triton) names one;
+#                                                     DIR/summary.txt lists every group's outcome,
+#                                                     DIR/tests/group<N>.log its log
+#   bash scripts/gpu_vllm034.sh chain DIR STEP...     the steps one after another, each into
+#                                                     DIR/STEP (its output in DIR/STEP/step.log,
+#                                                     a line per step in DIR/chain.txt), from one
+#                                                     copy of the tree; a failed step does not stop
+#                                                     the next. Steps (the next lease's, in order,
+#                                                     benchmarks/results/gpu_vllm034.md):
+#       load       load.py, native,native-best,hybrid-prefix, float32 state (.gpu/model27b-vl)
+#       mix        the replay's mix, hybrid-prefix-host, max_num_seqs 256 (device snapshot slots)
+#       load-bf16  load.py, native,hybrid-prefix, bfloat16 state (.gpu/model27b-vl-bf16)
+#       modules    the engine test modules (above)
+#       disk       `measure disk` (#50's disk tier report, below)
+#     Start it detached, e.g. after the last base piece:
+#       bash scripts/gpu_jobs.sh start chain scripts/gpu_vllm034.sh chain /tmp/jobs/chain \
+#         load mix load-bf16 modules disk
 # measure disk: gpu_disk_tier.py (the sequential read, then a restart with a 100k-token prefix
 # read back from disk), load.py's 256-request burst with a disk tier of $LOAD_DISK_GIB (16) under
 # the hybrid side, and the replay's mix ($MIX_SESSIONS sessions, default 8) on vLLM's defaults
@@ -30,9 +57,43 @@
 # outside DIR: each call packs /tmp/jobs, and a tier's slab file is preallocated; each is removed
 # once measured.
 set -euo pipefail
+# The modules run a parametrization a group (scripts/gpu_engine_modules.sh's SPLIT): the engines
+# of each cudagraph mode and quantized variant, and the variants of MTP, n-gram and the host tier.
+MODULES_SPLIT=$'tests/test_cuda_graphs.py\ntests/test_quantized.py\ntests/test_mtp.py\ntests/test_ngram.py\ntests/test_host_tier.py'
 bash scripts/unpack_vllm034.sh env >/dev/null
+# shellcheck disable=SC1091  # written on the device by unpack_vllm034.sh
 source .gpu034/env.sh
 bash scripts/gpu_plugin.sh >/dev/null
+
+# Run this script again from a private copy of the tree, /tmp/src034-NAME: each device call lays
+# the checkout out again, and an engine started later in a job would import whatever the last
+# call brought. Returns only when already in that copy.
+from_copy() { # NAME ARGS...
+  local src=/tmp/src034-$1
+  shift
+  if [ "$(pwd)" != "$src" ]; then
+    rm -rf "$src" && mkdir -p "$src"
+    tar --exclude='./.gpu034/part*' --exclude=./.git -cf - . | tar -xf - -C "$src"
+    cd "$src" && exec bash scripts/gpu_vllm034.sh "$@"
+  fi
+}
+
+# One chain step into OUT_DIR (its name is the step's).
+chain_step() { # STEP OUT_DIR
+  local step=$1 out=$2
+  unset RESUME LOAD_RESUME WORKLOADS CONFIGS MAX_NUM_SEQS NATIVE_RETENTION
+  case "$step" in
+    load) OUT=$out MODEL=.gpu/model27b-vl bash "$0" load native,native-best,hybrid-prefix ;;
+    mix) OUT=$out MODEL=.gpu/model27b-vl WORKLOADS=mix MAX_NUM_SEQS=256 \
+      bash "$0" replay hybrid-prefix-host ;;
+    load-bf16) OUT=$out MODEL=.gpu/model27b-vl-bf16 bash "$0" load native,hybrid-prefix ;;
+    modules) bash "$0" modules "$out" ;;
+    # `measure KIND DIR` writes into DIR/KIND, which is OUT_DIR for this step.
+    disk) bash "$0" measure disk "$(dirname "$out")" ;;
+    *) echo "unknown step '$step' (load, mix, load-bf16, modules, disk)" >&2; return 2 ;;
+  esac
+}
+
 case "${1:-}" in
   tests)
     shift
@@ -47,14 +108,7 @@ case "${1:-}" in
     python3 benchmarks/load.py --model "${MODEL:-.gpu/model27b-vl}" --configs "$2" --out "$OUT" \
       --budget-s 100000 ${LOAD_RESUME:+--resume "$LOAD_RESUME"} "${@:3}" ;;
   measure)
-    # From a private copy: each device call lays the checkout out again, and an engine started
-    # later in this job would import whatever the last call brought.
-    src=/tmp/src034-$2
-    if [ "$(pwd)" != "$src" ]; then
-      rm -rf "$src" && mkdir -p "$src"
-      tar --exclude='./.gpu034/part*' --exclude=./.git -cf - . | tar -xf - -C "$src"
-      cd "$src" && exec bash scripts/gpu_vllm034.sh measure "$2" "$3"
-    fi
+    from_copy "$2" measure "$2" "$3"
     mkdir -p "$3/$2"
     case "$2" in
       replay) OUT="$3/replay" WORKLOADS="${WORKLOADS:-mix,branching,agent loop}" \
@@ -83,8 +137,42 @@ case "${1:-}" in
         exit "$failed" ;;
       *) echo "measure replay|load|disk DIR" >&2; exit 2 ;;
     esac ;;
+  modules)
+    [ $# -eq 2 ] || { echo "modules DIR" >&2; exit 2; }
+    dir=$(realpath -m "$2")
+    from_copy modules modules "$dir"
+    mkdir -p "$dir"
+    summary=$dir/summary.txt
+    echo "engine test modules on vLLM 0.34, sources $(git rev-parse --short HEAD 2>/dev/null || echo 'of a copy without .git'), $(date -u +%FT%TZ)" > "$summary"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$summary" 2>&1 || true
+    bash scripts/unpack_vllm034.sh extras "${EXTRAS_WAIT_S:-600}" 2>&1 | tee -a "$summary" || true
+    bash scripts/unpack_vllm034.sh preflight 2>&1 | tee -a "$summary"
+    # Empty: vLLM 0.34's own GDN prefill choice (FlashInfer's on Hopper), what its users get.
+    export VLLM_HPC_TEST_GDN_PREFILL_BACKEND=${MODULES_GDN_BACKEND-}
+    echo "GDN prefill: ${VLLM_HPC_TEST_GDN_PREFILL_BACKEND:-the choice of vLLM}" >> "$summary"
+    rc=0
+    SPLIT=$MODULES_SPLIT PARALLEL=${MODULES_PARALLEL:-8} bash scripts/gpu_engine_modules.sh all \
+      "${MODULES_LIMIT_S:-1200}" "$dir/tests" 0 > "$dir/groups.txt" 2>&1 || rc=$?
+    { cat "$dir/groups.txt"; echo "modules: rc=$rc"; } | tee -a "$summary"
+    exit $rc ;;
+  chain)
+    [ $# -ge 3 ] || { echo "chain DIR STEP..." >&2; exit 2; }
+    dir=$(realpath -m "$2")
+    shift 2
+    from_copy chain chain "$dir" "$@"
+    mkdir -p "$dir"
+    echo "chain of $*; sources $(git rev-parse --short HEAD 2>/dev/null || echo 'of a copy without .git')" \
+      | tee -a "$dir/chain.txt"
+    for step in "$@"; do
+      mkdir -p "$dir/$step"
+      t0=$SECONDS
+      echo "$(date +%T) $step: started" | tee -a "$dir/chain.txt"
+      rc=0
+      ( chain_step "$step" "$dir/$step" ) > "$dir/$step/step.log" 2>&1 || rc=$?
+      echo "$(date +%T) $step: rc=$rc after $((SECONDS - t0)) s" | tee -a "$dir/chain.txt"
+    done ;;
   *)
     echo "usage: bash scripts/gpu_vllm034.sh tests [PYTEST ARGS] | replay CONFIGS | load CONFIGS" \
-      "| measure replay|load|disk DIR" >&2
+      "| measure replay|load|disk DIR | modules DIR | chain DIR STEP..." >&2
     exit 2 ;;
 esac

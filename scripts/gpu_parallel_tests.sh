@@ -31,7 +31,7 @@ for group in "$@"; do
   echo "$group" > "$LOGDIR/group$n.ids"
   # shellcheck disable=SC2086  # a group is a space-separated list of node ids
   ( t0=$SECONDS
-    timeout "$LIMIT" python3 -m pytest --tb=short -rfEs -s -p no:cacheprovider -o addopts="" \
+    timeout -k 30 "$LIMIT" python3 -m pytest --tb=short -rfEs -s -p no:cacheprovider -o addopts="" \
       $group > "$LOGDIR/group$n.log" 2>&1
     echo "$? $((SECONDS - t0))" > "$LOGDIR/group$n.rc" ) &
   pids+=($!)

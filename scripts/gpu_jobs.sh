@@ -72,10 +72,10 @@ packed_log() {
   lines=$(wc -l < "$f")
   if [ "$lines" -gt "$LOG_LINES" ]; then
     echo "[gpu_jobs.sh pack: $lines lines, $(stat -c %s "$f") bytes; the whole log stays on the machine as $f]"
-    sed 's/.*\r//' "$f" | grep -aE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)[ :]|^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' | head -n 200
+    sed 's/\r$//; s/.*\r//' "$f" | grep -aE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)[ :]|^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' | head -n 200
     echo "[... the last $LOG_LINES lines:]"
   fi
-  tail -n "$LOG_LINES" "$f" | sed 's/.*\r//'
+  tail -n "$LOG_LINES" "$f" | sed 's/\r$//; s/.*\r//'
 }
 
 pack() {

@@ -25,3 +25,12 @@ def cold(tiny_model_dir: Path) -> Iterator[Any]:
 
     with cold_reference(max_model_len=2048) as llm:
         yield llm
+
+
+@pytest.fixture
+def plugin_log() -> Iterator[Any]:
+    """The plugin's log lines of the test (`engine_support.PluginLog`: ``plugin_log.take()``)."""
+    from engine_support import caught_plugin_log
+
+    with caught_plugin_log() as log:
+        yield log

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -347,8 +349,55 @@ def resume_from_a_tap_an_endpoint_and_the_host(llm: Any, cold: Any, seed: int) -
     settle_and_audit(llm)
 
 
-def logged(caplog: Any) -> str:
-    """The plugin's log lines a test's ``caplog`` captured since the last call."""
-    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "vllm.vllm_hpc")
-    caplog.clear()
-    return text
+PLUGIN_LOGGER = "vllm.vllm_hpc"
+
+
+class PluginLog(logging.Handler):
+    """The plugin's log lines, caught at its own logger (the `plugin_log` fixture). Not through
+    pytest's ``caplog``: pytest attaches that to the root logger and to the loggers that do not
+    propagate when a test phase begins, and the first vLLM engine of a process makes "vllm"
+    stop propagating, so a test that started it saw none of the plugin's lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._lines.append(record.getMessage())
+
+    def take(self) -> str:
+        """The lines logged since the last call."""
+        text, self._lines = "\n".join(self._lines), []
+        return text
+
+
+@contextmanager
+def caught_plugin_log() -> Iterator[PluginLog]:
+    """Catch the plugin's INFO lines and above while the block runs."""
+    logger = logging.getLogger(PLUGIN_LOGGER)
+    handler, level = PluginLog(), logger.level
+    if not logger.isEnabledFor(logging.INFO):  # vLLM had not configured its loggers yet
+        logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail, rather than hang, when the block runs longer than ``seconds``: an in-process
+    engine steps in this (the main) thread, which the alarm's exception interrupts."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    PluginLog,
     cache_of,
     greedy,
     greedy_params,
-    logged,
     random_prompt,
     small_pool_llm,
     tokens,
@@ -172,7 +172,7 @@ def test_a_workload_larger_than_the_host_tier_is_written_behind(restarted: Any) 
 
 
 def damaged_start(
-    tier: DiskTier, tmp_path: Path, damage: Any, caplog: pytest.LogCaptureFixture
+    tier: DiskTier, tmp_path: Path, damage: Any, plugin_log: PluginLog
 ) -> tuple[DiskTier, str]:
     """A copy of the journal, damaged, replayed into a fresh cache of the same sizes."""
     path = disk_journal_path(tmp_path, 0)
@@ -180,14 +180,14 @@ def damaged_start(
     shutil.copy(tier.path, path)
     data = bytearray(path.read_bytes())
     path.write_bytes(damage(data))
-    logged(caplog)
+    plugin_log.take()
     fresh = DiskTier(path, tier.writer.header, HybridPrefixCache(tier.cache.config))
     fresh.cache.audit()
-    return fresh, logged(caplog)
+    return fresh, plugin_log.take()
 
 
 def test_a_bit_flipped_snapshot_entry_is_dropped_alone(
-    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    restarted: Any, tmp_path: Path, plugin_log: PluginLog
 ) -> None:
     tier = disk_tier_of(restarted)
     replay = replayed(tier)
@@ -198,13 +198,13 @@ def test_a_bit_flipped_snapshot_entry_is_dropped_alone(
         data[at + 12] ^= 0x10
         return bytes(data)
 
-    fresh, log = damaged_start(tier, tmp_path, flip, caplog)
+    fresh, log = damaged_start(tier, tmp_path, flip, plugin_log)
     assert fresh.live_entries == len(replay.live) - 1
     assert "fails its CRC, skipped" in log
 
 
 def test_a_torn_last_entry_is_dropped_alone(
-    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    restarted: Any, tmp_path: Path, plugin_log: PluginLog
 ) -> None:
     """The journal cut inside its last snapshot entry: that entry goes, logged, and what was
     before it stays."""
@@ -216,13 +216,15 @@ def test_a_torn_last_entry_is_dropped_alone(
     before = tmp_path / "before"
     before.write_bytes(data[: at - 12])  # up to its frame's head
     kept = replayed(tier, before)
-    fresh, log = damaged_start(tier, tmp_path, lambda d: bytes(d[: at + len(payload) - 5]), caplog)
+    fresh, log = damaged_start(
+        tier, tmp_path, lambda d: bytes(d[: at + len(payload) - 5]), plugin_log
+    )
     assert fresh.live_entries == len(kept.live)
     assert "torn: the last entry has" in log
 
 
 def test_a_journal_of_another_engine_starts_an_empty_tier(
-    restarted: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    restarted: Any, tmp_path: Path, plugin_log: PluginLog
 ) -> None:
     tier = disk_tier_of(restarted)
 
@@ -231,7 +233,7 @@ def test_a_journal_of_another_engine_starts_an_empty_tier(
         data[at + 1] = ord("B")
         return bytes(data)
 
-    fresh, log = damaged_start(tier, tmp_path, other, caplog)
+    fresh, log = damaged_start(tier, tmp_path, other, plugin_log)
     assert fresh.live_entries == 0
     assert "not replayed" in log
 
@@ -290,7 +292,7 @@ def test_a_prefix_only_the_disk_holds_is_read_back_and_decodes_the_cold_tokens(
 
 
 def test_a_damaged_record_is_dropped_and_its_request_recomputes_the_cold_tokens(
-    restarted: Any, caplog: pytest.LogCaptureFixture
+    restarted: Any, plugin_log: PluginLog
 ) -> None:
     """One bit flipped in the slab file, in the last record the hit reads (the snapshot's, or
     else its deepest disk-only block's): the read fails its CRC, the record goes with the
@@ -316,13 +318,13 @@ def test_a_damaged_record_is_dropped_and_its_request_recomputes_the_cold_tokens(
         os.fsync(slabs.fileno())
     (key,) = [e.key for e in replayed(tier).live.values() if tuple(e.slabs) == damaged]
     failed, dropped = stats.disk_reads_failed, stats.disk_records_dropped
-    logged(caplog)
+    plugin_log.take()
     out = greedy(restarted, [prompt], ANSWER)[0]
     assert stats.disk_reads_failed == failed + 1
     assert stats.disk_records_dropped == dropped + 1
     assert snapshot not in cache.index.store.snapshots
     assert out.num_cached_tokens < snapshot.frontier
-    assert "crc mismatch" in logged(caplog)
+    assert "crc mismatch" in plugin_log.take()
     assert_cold(out, cold)
     settle_writes(restarted)
     assert key not in replayed(tier).live  # journaled as dropped

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from engine_support import (
+    PluginLog,
     assert_same_up_to_near_tie,
     cache_of,
     greedy,
-    logged,
     random_prompt,
     running_llm,
     settle_and_audit,
@@ -77,14 +77,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Sav
 
 
 def test_a_restart_resumes_each_conversation_from_the_disk_tier(
-    saved: Saved, cold: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    saved: Saved, cold: Any, plugin_log: PluginLog, tmp_path: Path
 ) -> None:
     path = tmp_path / "cache"
     shutil.copytree(saved.copy, path)
-    logged(caplog)
     with small_pool_llm(config(path)) as llm:
         cache = cache_of(llm)
-        assert "journaled entries back (disk-only)" in logged(caplog)
+        assert "journaled entries back (disk-only)" in plugin_log.take()
         store = cache.index.store
         assert store.snapshots, "nothing came back"
         assert store.pages.num_free == store.usable_pages  # disk-only: nothing on the device
@@ -97,12 +96,12 @@ def test_a_restart_resumes_each_conversation_from_the_disk_tier(
             assert cache.admissions.hit_tokens_disk - before == out.num_cached_tokens
             assert_same_up_to_near_tie(out, cold, turn, ANSWER)
             settle_and_audit(llm)
-    log = logged(caplog)  # the second engine flushed in turn
+    log = plugin_log.take()  # the second engine flushed in turn
     assert "prefix cache saved to" in log and "cut short" not in log
 
 
 def test_a_journal_of_another_engine_starts_empty_with_the_reason_logged(
-    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    saved: Saved, plugin_log: PluginLog, tmp_path: Path
 ) -> None:
     """A damaged header (as another model's, dtype's or TP size's would be) is refused: the
     tier starts empty, logged, and the slab files are reused from scratch."""
@@ -112,23 +111,21 @@ def test_a_journal_of_another_engine_starts_empty_with_the_reason_logged(
     data = bytearray(journal.read_bytes())
     data[20] ^= 0x01
     journal.write_bytes(bytes(data))
-    logged(caplog)
     with small_pool_llm(config(path)) as llm:
-        assert "not replayed" in logged(caplog)
+        assert "not replayed" in plugin_log.take()
         assert not cache_of(llm).index.store.snapshots
 
 
 def test_a_smaller_host_tier_keeps_the_journaled_entries_its_disk_holds(
-    saved: Saved, cold: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    saved: Saved, cold: Any, plugin_log: PluginLog, tmp_path: Path
 ) -> None:
     """The alias sizes the disk to the host tier: with a smaller one, the entries whose slabs
     lie beyond the smaller disk are dropped with what depends on them, logged, and what comes
     back still resumes with the cold run's tokens."""
     path = tmp_path / "cache"
     shutil.copytree(saved.copy, path)
-    logged(caplog)
     with small_pool_llm(config(path, SMALL_HOST_MIB)) as llm:
-        log = logged(caplog)
+        log = plugin_log.take()
         assert "journaled entries back (disk-only)" in log and "beyond the disk" in log
         cache = cache_of(llm)
         store = cache.index.store
@@ -143,7 +140,7 @@ def test_a_smaller_host_tier_keeps_the_journaled_entries_its_disk_holds(
 
 
 def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
-    caplog: pytest.LogCaptureFixture, tmp_path: Path
+    plugin_log: PluginLog, tmp_path: Path
 ) -> None:
     """Two conversations in a 3 MiB host tier beside a roomy device: the second's writes take
     the first's host images, whose snapshots stay in their device slots (§9.3). The stop
@@ -157,7 +154,7 @@ def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
         "host_cache_mib": 3,
         "prefix_cache_file": str(path),
     }
-    logged(caplog)
+    plugin_log.take()
     with running_llm(in_process=True, additional_config=roomy) as llm:
         for seed in (60, 61):
             greedy(llm, [random_prompt(seed=seed, length=1400)], ANSWER)
@@ -169,17 +166,17 @@ def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
             if s.complete_on_device and not (s.holds_host or s.holds_disk)
         ]
         assert device_only, "no snapshot was left only in a device slot"
-    log = logged(caplog)
+    log = plugin_log.take()
     assert "(0 host writes of what only the device held)" not in log
     assert "prefix cache saved to" in log and "cut short" not in log
     with running_llm(in_process=True, additional_config=roomy) as llm:
-        log = logged(caplog)
+        log = plugin_log.take()
         assert "journaled entries back (disk-only)" in log and "dropped" not in log
         cache_of(llm).audit()
 
 
 def test_a_failing_disk_cuts_the_stop_short_and_keeps_the_journal(
-    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    saved: Saved, plugin_log: PluginLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every disk write fails with EIO at the stop (fault point `disk_write`, armed in this
     process, where the in-process worker's disk store runs): the stop's writes end, the engine
@@ -189,23 +186,22 @@ def test_a_failing_disk_cuts_the_stop_short_and_keeps_the_journal(
     path = tmp_path / "cache"
     shutil.copytree(saved.copy, path)
     journal = disk_journal_path(str(path), 0)
-    logged(caplog)
     with small_pool_llm(config(path)) as llm:
-        assert "journaled entries back (disk-only)" in logged(caplog)
+        assert "journaled entries back (disk-only)" in plugin_log.take()
         kept = len(cache_of(llm).index.store.snapshots)
         greedy(llm, [random_prompt(seed=40, length=600)], 8)  # its writes wait for the stop
         monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_write"}))
     monkeypatch.setattr(faults, "_ARMED", frozenset())
-    assert "cut short by a write failed" in logged(caplog)
+    assert "cut short by a write failed" in plugin_log.take()
     assert journal.is_file()
     with small_pool_llm(config(path)) as llm:  # what was journaled before the fault
-        assert "journaled entries back (disk-only)" in logged(caplog)
+        assert "journaled entries back (disk-only)" in plugin_log.take()
         assert len(cache_of(llm).index.store.snapshots) >= kept
         cache_of(llm).audit()
 
 
 def test_a_worker_stopped_on_a_copy_error_writes_nothing_more(
-    saved: Saved, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    saved: Saved, plugin_log: PluginLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A host write fails in the worker (fault point `host_write`, armed in this process where
     the in-process worker runs): the engine stops on the error, writes nothing more to disk,
@@ -215,13 +211,12 @@ def test_a_worker_stopped_on_a_copy_error_writes_nothing_more(
     path = tmp_path / "cache"
     shutil.copytree(saved.copy, path)
     journal = disk_journal_path(str(path), 0)
-    logged(caplog)
     with small_pool_llm(config(path)) as llm:
         before = journal.read_bytes()  # as the start-up replay rewrote it
         monkeypatch.setattr(faults, "_ARMED", frozenset({"host_write"}))
         with pytest.raises(Exception, match="host tier: a copy between the device and the host"):
             greedy(llm, [random_prompt(seed=50, length=600)], 8)
-    assert "nothing more written to disk (hybrid-prefix host tier" in logged(caplog)
+    assert "nothing more written to disk (hybrid-prefix host tier" in plugin_log.take()
     assert journal.read_bytes() == before
 
 

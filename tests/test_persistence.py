@@ -19,6 +19,7 @@ from engine_support import (
     PluginLog,
     assert_same_up_to_near_tie,
     cache_of,
+    deadline,
     greedy,
     random_prompt,
     running_llm,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.engine
 HOST_MIB = 32
 SMALL_HOST_MIB = 3  # 96 slabs of 32 KiB: a disk of the same size holds fewer journaled slabs
 ANSWER = 96  # 64+ tokens past the prompt-tail tap: the endpoint is kept (§7.7)
+TURN_SECONDS = 300  # a turn takes seconds: fail, rather than hang, when one does not end
 
 
 def config(path: Path, host_mib: int = HOST_MIB) -> dict[str, Any]:
@@ -140,24 +142,30 @@ def test_a_smaller_host_tier_keeps_the_journaled_entries_its_disk_holds(
 
 
 def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
-    plugin_log: PluginLog, tmp_path: Path
+    cold: Any, plugin_log: PluginLog, tmp_path: Path
 ) -> None:
     """Two conversations in a 3 MiB host tier beside a roomy device: the second's writes take
     the first's host images, whose snapshots stay in their device slots (§9.3). The stop
     writes such snapshots through to the host and then behind to the disk tier of the same
     size, whose GDSF keeps the most valuable of what it can hold; the journal comes back
-    whole. (Requests after that restart are not run here: one hung, see the disk-tier plan,
-    step 5.)"""
+    whole, and each conversation's next turn finishes with the cold run's tokens.
+
+    After the first turn, the host tier's slabs are held by its write behind to disk (not yet
+    reported when the second turn is looked up), so the second turn's read can find no room:
+    it is then given up, counted, and the turn served without the disk. It once ran forever
+    instead: the admission quoted the disk source again while the lookup had quoted without
+    it, so each step's admission was refused (disk-tier plan, step 5)."""
     path = tmp_path / "cache"
     roomy = {
         "kv_cache_manager": "hybrid-prefix",
-        "host_cache_mib": 3,
+        "host_cache_mib": SMALL_HOST_MIB,
         "prefix_cache_file": str(path),
     }
-    plugin_log.take()
+    conversations = []
     with running_llm(in_process=True, additional_config=roomy) as llm:
         for seed in (60, 61):
-            greedy(llm, [random_prompt(seed=seed, length=1400)], ANSWER)
+            prompt = random_prompt(seed=seed, length=1400)
+            conversations.append(prompt + tokens(greedy(llm, [prompt], ANSWER)[0]))
         settle_and_audit(llm)
         store = cache_of(llm).index.store
         device_only = [
@@ -172,7 +180,22 @@ def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
     with running_llm(in_process=True, additional_config=roomy) as llm:
         log = plugin_log.take()
         assert "journaled entries back (disk-only)" in log and "dropped" not in log
-        cache_of(llm).audit()
+        cache = cache_of(llm)
+        cache.audit()
+        frontiers = {s.frontier for s in cache.index.store.snapshots}
+        for seed, conversation in enumerate(conversations, start=70):
+            turn = conversation + random_prompt(seed=seed, length=80)
+            hits, declined = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads_declined
+            with deadline(TURN_SECONDS):
+                out = greedy(llm, [turn], ANSWER)[0]
+            if cache.index.stats.disk_reads_declined == declined:
+                assert out.num_cached_tokens in frontiers  # a journaled snapshot, read from disk
+                assert cache.admissions.hit_tokens_disk - hits == out.num_cached_tokens
+            else:
+                assert cache.admissions.hit_tokens_disk == hits
+            assert_same_up_to_near_tie(out, cold, turn, ANSWER)
+            settle_and_audit(llm)
+        assert cache.admissions.hit_tokens_disk > 0
 
 
 def test_a_failing_disk_cuts_the_stop_short_and_keeps_the_journal(

@@ -31,6 +31,7 @@ from vllm_hpc.index.journal import (
     node_media,
     snapshot_media,
 )
+from vllm_hpc.index.prompt import pack_tokens
 from vllm_hpc.index.types import Medium
 
 BLOCK = 64
@@ -91,6 +92,32 @@ def make_index(
         **extra,
     )
     return PrefixIndex(config)
+
+
+def load_disk_only(
+    index: PrefixIndex, tokens: Sequence[int], frontiers: Sequence[int]
+) -> list[Snapshot]:
+    """Journaled entries as a restart brings them back, disk-only: the blocks of ``tokens`` up
+    to the last of ``frontiers`` (block boundaries) and a tap at each, on free disk slabs."""
+    free = iter(index.store.disk_slabs.free_slabs)
+    parent = None
+    snapshots = []
+    for depth in range(max(frontiers) // BLOCK):
+        block = pack_tokens(tokens[depth * BLOCK : (depth + 1) * BLOCK])
+        parent = index.load_disk_block(parent, block, 0, next(free))
+        if parent.end in frontiers:
+            image = [next(free) for _ in range(index.store.value.geometry.image_slabs)]
+            snapshots.append(
+                index.load_disk_snapshot(
+                    parent,
+                    kind=SnapshotKind.TAP,
+                    tail=b"",
+                    image_slabs=image,
+                    tail_slab=None,
+                    hits=0,
+                )
+            )
+    return snapshots
 
 
 class JournalReplay:

@@ -30,6 +30,8 @@ def make_cache(
     max_new_taps: int = 16,
     lane_rows: int = 1,
     chunk_tokens: int = CHUNK,
+    host_slabs: int = 0,
+    disk_slabs: int = 0,
 ) -> HybridPrefixCache:
     policy = TapPolicy.for_engine(chunk_tokens=256 if in_pass else CHUNK, host_tier=False)
     policy = TapPolicy(
@@ -41,13 +43,17 @@ def make_cache(
     )
     """A cache of ``pages`` KV pages beside the rows of its scratch, ``active_slots`` running
     requests (``lane_rows`` rows each: 1 + K with K speculative tokens) and ``snapshot_slots``
-    snapshots (states share the page space)."""
+    snapshots (states share the page space); a host and a disk tier of ``host_slabs`` and
+    ``disk_slabs`` slabs (4 KiB: a block, or an image) where given."""
+    geometry = HostGeometry(1024, 4096)
     index = IndexConfig(
         device_pages=pages + (1 + active_slots * lane_rows + snapshot_slots) * ROW_PAGES,
-        geometry=HostGeometry(1024, 4096),
+        geometry=geometry,
         snapshot_slots=snapshot_slots,
         first_page_id=1,
         row_pages=ROW_PAGES,
+        host_budget_bytes=host_slabs * geometry.slab_bytes,
+        disk_budget_bytes=disk_slabs * geometry.slab_bytes,
     )
     return HybridPrefixCache(
         RuntimeConfig(

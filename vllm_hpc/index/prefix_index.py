@@ -393,6 +393,7 @@ class PrefixIndex:
         store.disk_pin_snapshot(snapshot, 1)  # making room must not take its own path
         if not store.make_host_room(count):
             store.disk_pin_snapshot(snapshot, -1)
+            self.stats.disk_reads_declined += 1
             return None
         pool = store.slabs
         block_slabs = pool.allocate(len(blocks), SlabUse.NODE)

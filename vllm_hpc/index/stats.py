@@ -54,6 +54,9 @@ class CacheStats:
     disk_writes_failed: int = 0
     disk_reads: int = 0
     """Snapshots (with the disk-only blocks of their paths) planned to read into the host."""
+    disk_reads_declined: int = 0
+    """Reads the host tier had no room for now (its slabs pinned by transfers in flight and
+    kept reads): their requests are served without the disk."""
     disk_reads_failed: int = 0
     """Reads that did not land (a record failed its check, or a read error)."""
     disk_records_dropped: int = 0

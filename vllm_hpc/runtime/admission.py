@@ -23,6 +23,7 @@ from vllm_hpc.index import (
     BLOCK_TOKENS,
     AdmissionQuote,
     GrowthPages,
+    MatchResult,
     PageId,
     PrefillRequest,
     PrefixIndex,
@@ -98,8 +99,7 @@ class Admission:
             return Lookup(None, 0, [])
         prompt = self._prepared[request.request_id] = self._prompt(request)
         match = self.index.match(prompt, request.read_limit)
-        disk = request.request_id not in self._no_disk
-        quote = self.index.quote(match, self._growth(n, with_row=True), disk)
+        quote = self._quote(request.request_id, match, self._growth(n, with_row=True))
         if quote.readiness is Readiness.PERMANENTLY_INFEASIBLE:
             raise InfeasibleRequest(
                 f"request {request.request_id}: {n} tokens need {pages_for(n)} KV pages of "
@@ -153,6 +153,12 @@ class Admission:
         if best is not None and best.scheduled_end < deepest:
             best.taps = plan_exact_tap(best.taps, deepest)
         return best
+
+    def _quote(self, request_id: str, match: MatchResult, growth: GrowthPages) -> AdmissionQuote:
+        """The request's quote: without the disk once its read found no host room. The lookup
+        and the admission's quote again must agree, or a request quoted without the disk would
+        find the disk source again at each admission and wait forever."""
+        return self.index.quote(match, growth, disk=request_id not in self._no_disk)
 
     def _growth(self, n: int, with_row: bool) -> GrowthPages:
         """Pages a request of ``n`` tokens needs when it resumes at a frontier: its first
@@ -289,7 +295,7 @@ class Admission:
             return None
         row, *spec_rows = rows
         if quote is not None:
-            quote = self._requote(lookup, quote)
+            quote = self._requote(request.request_id, lookup, quote)
             if quote is None:
                 for row in rows:
                     self.index.release_state_row(row, unused=True)
@@ -357,12 +363,15 @@ class Admission:
             rows.append(row)
         return rows
 
-    def _requote(self, lookup: Lookup, quote: AdmissionQuote) -> AdmissionQuote | None:
+    def _requote(
+        self, request_id: str, lookup: Lookup, quote: AdmissionQuote
+    ) -> AdmissionQuote | None:
         """The quote again, now that the row is taken (which evicted, so the cache moved on):
         its source was kept, so it still serves unless the pages ran short."""
         assert lookup.prompt is not None
         match = self.index.match(lookup.prompt, lookup.read_limit)
-        fresh = self.index.quote(match, self._growth(lookup.prompt.num_tokens, with_row=False))
+        growth = self._growth(lookup.prompt.num_tokens, with_row=False)
+        fresh = self._quote(request_id, match, growth)
         same = (
             fresh.readiness is Readiness.READY
             and fresh.source is not None

@@ -132,6 +132,11 @@ INDEX = (
         "Snapshots whose write-behind a worker failed to make durable (nothing journaled)",
     ),
     Metric(
+        "disk_reads_declined",
+        "vllm:hpc_disk_reads_declined",
+        "Reads from the disk tier the host tier had no room for (their requests recompute)",
+    ),
+    Metric(
         "disk_reads_failed",
         "vllm:hpc_disk_reads_failed",
         "Reads from the disk tier that did not land (their requests recompute)",

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tests.index.harness import BLOCK, Harness, JournalReplay, make_index, toks
+from tests.index.harness import BLOCK, Harness, JournalReplay, load_disk_only, make_index, toks
 from vllm_hpc.index import (
     HostGeometry,
     IndexConfig,
@@ -367,6 +367,24 @@ def test_a_disk_source_is_chosen_only_where_it_beats_a_shallower_one_by_its_read
     options = source_options(match, store.lru, slow, store.value.geometry)
     assert [o.snapshot for o in options] == [deep.snapshot, shallow.snapshot, None]
     assert choose(options).snapshot is shallow.snapshot
+
+
+def test_a_read_larger_than_the_host_tier_is_no_source_and_a_shallower_one_serves() -> None:
+    """A read lands in host slabs: one that needs more than the host tier has could never
+    land, so its snapshot is no source (a request waiting for it would wait forever)."""
+    index = make_index(host_slabs=5, disk_slabs=40)
+    prompt = toks(16, 7 * BLOCK)
+    shallow, deep = load_disk_only(index, prompt, [2 * BLOCK, 6 * BLOCK])
+    index.check_invariants()
+    match = index.match(index.prepare_prompt(prompt))
+    assert match.candidates == [shallow, deep]
+    quote = index.quote(match, lambda f: 1)  # deep: 6 blocks and an image, 7 slabs of 5
+    assert quote.source is not None and quote.source.snapshot is shallow
+    assert quote.source.disk_bytes == 2 * 1000 + 4000
+    assert index.plan_disk_read(deep) is None and index.stats.disk_reads_declined == 1
+    read = index.plan_disk_read(shallow)
+    assert read is not None and len(read.blocks) == 2
+    index.check_invariants()
 
 
 def test_a_read_refuses_a_path_only_the_device_holds() -> None:

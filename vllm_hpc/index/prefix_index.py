@@ -147,6 +147,7 @@ class PrefixIndex:
             store.value.geometry,
             store.row_pages_given_way,
             disk and store.disk_slabs.enabled,
+            store.slabs.capacity,
         )
         readiness, source, need = classify(
             options, growth_pages, store.available_pages, store.usable_pages

@@ -137,6 +137,7 @@ def source_options(
     geometry: HostGeometry,
     row_pages: Callable[[Snapshot], int] = lambda snapshot: 0,
     disk: bool = True,
+    host_slabs: int | None = None,
 ) -> list[SourceOption]:
     """[s*, s_host, s_dev, root] without repeats, in fallback order (§6.2, §6.3): the deepest
     usable candidate, the deepest that needs no disk read, the deepest with nothing off the
@@ -145,7 +146,9 @@ def source_options(
     Candidates whose path, image or tail another transfer is still filling are skipped. Parts
     only the disk holds are read into the host first (`PrefixIndex.plan_disk_read`, a snapshot's
     image and tail as the one record the journal checks), then restored like host parts: their
-    bytes cost the disk's read time on top. ``disk=False`` skips candidates that need a read.
+    bytes cost the disk's read time on top. ``disk=False`` skips candidates that need a read,
+    and so does a read of more slabs than ``host_slabs`` (the host tier's, None: no bound): it
+    could never land, and a shallower candidate may serve instead.
     ``row_pages(s)``: pages the available count holds for snapshot s's row, which admitting
     from s pins (`CacheStore.row_pages_given_way`).
     """
@@ -164,6 +167,11 @@ def source_options(
         blocks = snapshot.anchor.depth + 1
         record = record_read(snapshot, disk)
         if blocks > usable_depth or record is None:
+            return None
+        read_slabs = read_before[blocks]
+        if record:
+            read_slabs += geometry.snapshot_slabs(bool(snapshot.tail))
+        if host_slabs is not None and read_slabs > host_slabs:
             return None
         tail_restored = bool(snapshot.tail) and snapshot.tail_device is Residency.ABSENT
         host_bytes = (restored_before[blocks] + tail_restored) * geometry.block_bytes

@@ -95,10 +95,11 @@ def make_index(
 
 
 def load_disk_only(
-    index: PrefixIndex, tokens: Sequence[int], frontiers: Sequence[int]
+    index: PrefixIndex, tokens: Sequence[int], frontiers: Sequence[int], hits: int = 0
 ) -> list[Snapshot]:
     """Journaled entries as a restart brings them back, disk-only: the blocks of ``tokens`` up
-    to the last of ``frontiers`` (block boundaries) and a tap at each, on free disk slabs."""
+    to the last of ``frontiers`` (block boundaries) and a tap at each with ``hits`` (its
+    value), on free disk slabs."""
     free = iter(index.store.disk_slabs.free_slabs)
     parent = None
     snapshots = []
@@ -114,7 +115,7 @@ def load_disk_only(
                     tail=b"",
                     image_slabs=image,
                     tail_slab=None,
-                    hits=0,
+                    hits=hits,
                 )
             )
     return snapshots

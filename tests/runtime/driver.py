@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from vllm_hpc.index import HostGeometry, IndexConfig, MediaItem, TapPolicy
 from vllm_hpc.runtime.cache import HybridPrefixCache, InFlight, RequestInfo, RuntimeConfig
+from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.plan import StepPlan
 
 CHUNK = 1024
@@ -78,6 +79,18 @@ class Run:
     """Tokens the cache served: the request prefilled [frontier, n)."""
     chunks: list[tuple[int, int]] = field(default_factory=list)
     plans: list[StepPlan] = field(default_factory=list)
+
+
+def waiting_step(cache: HybridPrefixCache, request: RequestInfo) -> tuple[Lane | None, StepPlan]:
+    """One scheduler step for a waiting request (lookup, the connector's "not yet" while
+    `disk_wait` says so, else `admit`): its lane, or None when it stepped aside for a read or
+    found no room; and the step's plan."""
+    cache.new_step()
+    lookup = cache.lookup(request)
+    lane = None
+    if not cache.disk_wait(request.request_id, lookup):
+        lane = cache.admit(request, lookup, len(request.token_ids) - lookup.frontier)
+    return lane, cache.take_plan()
 
 
 def run(

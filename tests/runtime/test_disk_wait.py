@@ -5,25 +5,12 @@ takes for a waiting request (lookup, the connector's "not yet" while `disk_wait`
 from __future__ import annotations
 
 from tests.index.harness import load_disk_only
-from tests.runtime.driver import make_cache, prompt
+from tests.runtime.driver import make_cache, prompt, waiting_step
 from vllm_hpc.index import BLOCK_TOKENS
-from vllm_hpc.runtime.cache import HybridPrefixCache, RequestInfo
-from vllm_hpc.runtime.lane import Lane
-from vllm_hpc.runtime.plan import StepPlan
+from vllm_hpc.runtime.cache import RequestInfo
 
 STEPS = 4
 """Steps a waiting request gets to be admitted in: a read given up costs one."""
-
-
-def step(cache: HybridPrefixCache, request: RequestInfo) -> tuple[Lane | None, StepPlan]:
-    """One scheduler step for a waiting request: its lane, or None when it stepped aside for a
-    read or found no room; and the step's plan."""
-    cache.new_step()
-    lookup = cache.lookup(request)
-    lane = None
-    if not cache.disk_wait(request.request_id, lookup):
-        lane = cache.admit(request, lookup, len(request.token_ids) - lookup.frontier)
-    return lane, cache.take_plan()
 
 
 def test_a_read_the_host_has_no_room_for_is_given_up_and_the_request_admitted() -> None:
@@ -37,17 +24,17 @@ def test_a_read_the_host_has_no_room_for_is_given_up_and_the_request_admitted() 
     for tokens in (first, second):
         load_disk_only(cache.index, tokens, [frontier])
     reading = RequestInfo("reading", first, len(first))
-    lane, plan = step(cache, reading)
+    lane, plan = waiting_step(cache, reading)
     assert lane is None and cache.reading_for("reading")
     (read,) = plan.disk_reads
     waiting = RequestInfo("waiting", second, len(second))
-    assert step(cache, waiting)[0] is None
+    assert waiting_step(cache, waiting)[0] is None
     assert cache.index.stats.disk_reads_declined == 1
-    lanes = [step(cache, waiting)[0] for _ in range(STEPS)]
+    lanes = [waiting_step(cache, waiting)[0] for _ in range(STEPS)]
     lane = next((lane for lane in lanes if lane is not None), None)
     assert lane is not None and lane.base == 0  # from the root
     cache.complete_disk_read(read.batch)
-    lane = step(cache, reading)[0]
+    lane = waiting_step(cache, reading)[0]
     assert lane is not None and lane.base == frontier
     assert cache.admissions.hit_tokens_disk == frontier
     cache.audit()

@@ -208,6 +208,13 @@ def disk_value_key(s: Snapshot) -> tuple[float, int]:
     return (s.disk_priority, s.id)
 
 
+def most_valuable_on_disk(snapshots: Iterable[Snapshot]) -> list[Snapshot]:
+    """The retained snapshots the disk holds, most valuable first: its `TierStep.VALUE` order
+    reversed, in which a start-up reads them into the host tier (§5.5)."""
+    held = (s for s in snapshots if Medium.DISK in s.media and not s.superseded)
+    return sorted(held, key=disk_value_key, reverse=True)
+
+
 class TierStep(Enum):
     """What the host and the disk tier evict, in `HOST_EVICTION` and `DISK_EVICTION` order."""
 

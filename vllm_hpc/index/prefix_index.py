@@ -24,7 +24,7 @@ from itertools import takewhile
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.config import IndexConfig
 from vllm_hpc.index.device_pool import PageState
-from vllm_hpc.index.eviction_order import value_key
+from vllm_hpc.index.eviction_order import most_valuable_on_disk, value_key
 from vllm_hpc.index.host_eviction import snapshot_pinned
 from vllm_hpc.index.host_pool import SlabUse
 from vllm_hpc.index.invariants import check_invariants
@@ -366,14 +366,15 @@ class PrefixIndex:
         self.store.disk_pin_snapshot(write.snapshot, -1)
         self.stats.disk_writes_failed += 1
 
-    def plan_disk_read(self, snapshot: Snapshot) -> DiskRead | None:
+    def plan_disk_read(self, snapshot: Snapshot, evict: bool = True) -> DiskRead | None:
         """Read what only the disk holds of ``snapshot`` and its path into new host slabs,
-        evicting from the host as for a hit, so a host restore can follow (§4 of the plan):
-        the path's disk-only blocks, and its image and tail as one record (the journal's CRC
-        covers both) where the host holds neither and the device does not hold all it needs.
-        None when nothing is to read, a copy of it is landing, a path block has only a device
-        copy (the device LRU may drop it, and a disk read pins no device page), or the host
-        has no room."""
+        evicting from the host as for a hit (``evict``; else into free slabs only, as the
+        start-up read does), so a host restore can follow (§4 of the plan): the path's
+        disk-only blocks, and its image and tail as one record (the journal's CRC covers both)
+        where the host holds neither and the device does not hold all it needs. None when
+        nothing is to read, a copy of it is landing, a path block has only a device copy (the
+        device LRU may drop it, and a disk read pins no device page), or the host has no
+        room."""
         store = self.store
         if snapshot not in store.snapshots:
             raise ValueError("the snapshot is not in this index")
@@ -388,7 +389,7 @@ class PrefixIndex:
         image_count = store.value.geometry.image_slabs if record else 0
         read_tail = record and bool(snapshot.tail)
         count = len(blocks) + image_count + read_tail
-        if not count:
+        if not count or (not evict and count > store.slabs.num_free):
             return None
         store.advance()
         store.disk_pin_snapshot(snapshot, 1)  # making room must not take its own path
@@ -417,6 +418,11 @@ class PrefixIndex:
         self._in_flight.add(read)
         self.stats.disk_reads += 1
         return read
+
+    def preload_order(self) -> list[Snapshot]:
+        """The snapshots the disk holds, most valuable first by its own value: what a start-up
+        reads into the host tier's free room, in order (`most_valuable_on_disk`)."""
+        return most_valuable_on_disk(self.store.snapshots)
 
     def complete_disk_read(self, read: DiskRead, keep: bool = False) -> None:
         """The read's host slabs hold the records: they are host copies like any other. With

@@ -13,8 +13,10 @@ vLLM), so the requests behind it are scheduled; its next lookup after the read h
 reported finds them on the host and restores them as any host source (disk-tier plan §4). The
 landed read stays pinned until then: its copies are disk-backed, which host eviction takes
 first. `admit` plans the read too, for a request vLLM does not let step aside (one bounded in
-what it reads): it then waits as a blocked head does (§6.6). A read that fails drops the
-damaged records, and the next lookup finds a shallower source.
+what it reads): it then waits as a blocked head does (§6.6). A request whose deeper snapshot
+another read is bringing in (the start-up read's, another request's) waits for that read as
+for its own. A read that fails drops the damaged records, and the next lookup finds a
+shallower source.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class Admission:
         """Waiting requests that held back for a sibling's snapshot (§12.2)."""
         self._reads: dict[str, DiskRead] = {}
         """Waiting requests' reads from the disk tier, in flight or landed (and then kept
-        pinned by the index until the request is admitted or leaves)."""
+        pinned by the index until the requests awaiting it are admitted or leave); a request
+        may await a read planned for another (`_landing`)."""
         self._no_disk: set[str] = set()
         """Waiting requests whose read found no host room: they are quoted without the disk."""
 
@@ -204,10 +207,10 @@ class Admission:
         self._no_disk.discard(request_id)
 
     def _drop_read(self, request_id: str) -> None:
-        """The request no longer awaits its read: a landed one is unpinned (one in flight
-        lands for the cache all the same, unpinned)."""
+        """The request no longer awaits its read: a landed one no other request awaits is
+        unpinned (one in flight lands for the cache all the same, unpinned)."""
         read = self._reads.pop(request_id, None)
-        if read is not None and self.index.holds_read(read):
+        if read is not None and self.index.holds_read(read) and not self.awaits(read):
             self.index.release_disk_read(read)
 
     def awaits(self, read: DiskRead) -> bool:
@@ -217,7 +220,7 @@ class Admission:
     @property
     def kept_reads(self) -> int:
         """Waiting requests' landed reads the index keeps pinned for them (the audit's count)."""
-        return sum(self.index.holds_read(read) for read in self._reads.values())
+        return sum(self.index.holds_read(read) for read in set(self._reads.values()))
 
     def reading_for(self, request_id: str) -> bool:
         """Whether the request's read from the disk tier is in flight."""
@@ -233,10 +236,16 @@ class Admission:
         return self._read_from_disk(request_id, lookup.quote)
 
     def _read_from_disk(self, request_id: str, quote: AdmissionQuote) -> bool:
-        """Whether the request waits for a read from the disk tier: one in flight, or one its
-        quote's source needs, planned now. A read the host has no room for is given up: the
-        request is quoted without the disk from its next lookup on."""
+        """Whether the request waits for a read from the disk tier: one in flight, one already
+        bringing in a snapshot deeper than its quote's source (the start-up read's, another
+        request's), or one its quote's source needs, planned now. A read the host has no room
+        for is given up: the request is quoted without the disk from its next lookup on."""
         if self.reading_for(request_id):
+            return True
+        landing = self._landing(quote)
+        if landing is not None:
+            self._drop_read(request_id)
+            self._reads[request_id] = landing
             return True
         source = quote.source
         if source is None or not source.disk_bytes:
@@ -251,6 +260,19 @@ class Admission:
                 self.pipeline.disk_read(read)
                 self._reads[request_id] = read
         return True
+
+    def _landing(self, quote: AdmissionQuote) -> DiskRead | None:
+        """The read in flight of the deepest candidate deeper than the quote's source: source
+        choice passes over a snapshot whose copies are landing, and waiting for them costs
+        less than prefilling what they hold."""
+        frontier = quote.source.frontier if quote.source is not None else 0
+        for snapshot in reversed(quote.match.candidates):
+            if snapshot.frontier <= frontier:
+                return None
+            read = self.pipeline.read_of(snapshot)
+            if read is not None:
+                return read
+        return None
 
     def _hit_medium(self, request_id: str, source: Snapshot | None, from_host: bool) -> Medium:
         """Where an admission's prefix came from, for the hit counters: the disk when its

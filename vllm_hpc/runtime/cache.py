@@ -12,11 +12,12 @@ The scheduler calls it in this order each step::
     commit(lane, tokens, n)                       # full blocks join the tree, taps publish
     finish(lane, tokens, n)                       # endpoint snapshot, release
 
-This class is the facade over three parts, one concern each, sharing the index: `Admission`
+This class is the facade over four parts, one concern each, sharing the index: `Admission`
 (lookup, coalescing, prefetch, admission and growth: `runtime/admission.py`), `Captures` (chunk
-ends, taps, publication, endpoints: `runtime/capture.py`) and `StepPipeline` (the plan being
+ends, taps, publication, endpoints: `runtime/capture.py`), `StepPipeline` (the plan being
 built, and what waits for a plan to be handed out: landing restores and prefetches, deferred
-captures, quarantined pages, write-through batches: `runtime/pipeline.py`). Their docstrings
+captures, quarantined pages, write-through batches: `runtime/pipeline.py`) and `Preload` (the
+start-up read of the disk tier into the host tier: `runtime/preload.py`). Their docstrings
 hold the timing rules that keep every copy exact.
 
 Host tier (§6.4, §7.6): write-through batches (released blocks, published snapshots) join the
@@ -41,6 +42,7 @@ from vllm_hpc.runtime.capture import Captures
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
 from vllm_hpc.runtime.plan import StepPlan
+from vllm_hpc.runtime.preload import Preload
 from vllm_hpc.runtime.records import (
     InfeasibleRequest,
     InFlight,
@@ -79,6 +81,8 @@ class HybridPrefixCache:
         self.captures = Captures(
             self.index, self.pipeline, config.in_pass_taps, config.chunk_tokens
         )
+        self.preload = Preload(self.index, self.pipeline)
+        """The start-up read of the disk tier into the host tier (`runtime/preload.py`)."""
         self.audits = AuditCounters()
         """Kept by the glue's cache audit, reported with the rest."""
 
@@ -105,7 +109,14 @@ class HybridPrefixCache:
         self.captures.begin_step()
 
     def take_plan(self) -> StepPlan:
+        self.preload.plan()
         return self.pipeline.take_plan()
+
+    @property
+    def preloading(self) -> bool:
+        """The start-up read has snapshots left to try or a read in flight: the engine keeps
+        stepping, with or without requests, until it is done."""
+        return self.preload.pending
 
     @property
     def settled(self) -> bool:
@@ -120,6 +131,7 @@ class HybridPrefixCache:
         """Queue the host write-through of the snapshots only the device holds, for the next
         steps to copy and then write behind to disk (`PrefixIndex.write_through_at_stop`);
         returns how many writes were planned."""
+        self.preload.stop()
         writes = self.index.write_through_at_stop()
         for write in writes:
             self.pipeline.write_through(write)
@@ -135,10 +147,16 @@ class HybridPrefixCache:
         return self.pipeline.fail_disk_writes(batch)
 
     def complete_disk_read(self, batch: int) -> DiskRead | None:
-        return self.pipeline.complete_disk_read(batch, self.admission.awaits)
+        read = self.pipeline.complete_disk_read(batch, self.admission.awaits)
+        if read is not None:
+            self.preload.ended(read, landed=True)
+        return read
 
     def fail_disk_read(self, batch: int, failed: Sequence[int]) -> tuple[DiskRead, int] | None:
-        return self.pipeline.fail_disk_read(batch, failed)
+        ended = self.pipeline.fail_disk_read(batch, failed)
+        if ended is not None:
+            self.preload.ended(ended[0], landed=False)
+        return ended
 
     def take_new_pages(self) -> list[PageId]:
         return self.pipeline.take_new_pages()
@@ -277,6 +295,7 @@ class HybridPrefixCache:
         """
         if self.admission.live or self.pipeline.reads_in_flight:
             return False
+        self.preload.stop()
         self.pipeline.reset()
         self.captures.retiring.clear()
         self.index.clear()

@@ -151,8 +151,7 @@ class StepPipeline:
         writes = self._disk_writing.pop(batch, [])
         for write in writes:
             self.index.complete_disk_write(write)
-            slabs = sum(len(record.disk) for record in disk_records(write))
-            self.disk.write_bytes += slabs * self.geometry.slab_bytes
+            self.disk.write_bytes += disk_slab_count(write) * self.geometry.slab_bytes
         return writes
 
     def fail_disk_writes(self, batch: int) -> list[DiskWrite]:
@@ -173,6 +172,10 @@ class StepPipeline:
         """Whether ``read`` has not been reported by every worker yet."""
         return read in self._disk_reading.values()
 
+    def read_of(self, snapshot: Snapshot) -> DiskRead | None:
+        """The read in flight that brings ``snapshot`` into the host tier, if any."""
+        return next((r for r in self._disk_reading.values() if r.snapshot is snapshot), None)
+
     @property
     def reads_in_flight(self) -> bool:
         return bool(self._disk_reading)
@@ -184,8 +187,7 @@ class StepPipeline:
         read = self._disk_reading.pop(batch, None)
         if read is not None:
             self.index.complete_disk_read(read, keep(read))
-            slabs = sum(len(record.disk) for record in disk_records(read))
-            self.disk.read_bytes += slabs * self.geometry.slab_bytes
+            self.disk.read_bytes += disk_slab_count(read) * self.geometry.slab_bytes
         return read
 
     def fail_disk_read(self, batch: int, failed: Sequence[int]) -> tuple[DiskRead, int] | None:
@@ -307,6 +309,11 @@ class StepPipeline:
         self._disk_writing.clear()
         self._disk_reading.clear()
         self.wrote_behind = False
+
+
+def disk_slab_count(transfer: DiskWrite | DiskRead) -> int:
+    """The disk slabs a disk transfer moves."""
+    return sum(len(record.disk) for record in disk_records(transfer))
 
 
 def disk_records(transfer: DiskWrite | DiskRead) -> list[SlabRecord]:

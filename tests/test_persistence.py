@@ -9,6 +9,7 @@ directory. Every resume is checked against a cold run, with the index's audit af
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ from engine_support import (
     tokens,
 )
 
-from vllm_hpc.glue.worker.disk_store import disk_journal_path
+from vllm_hpc.glue.worker.disk_store import disk_journal_path, disk_slab_path
+from vllm_hpc.index.types import Medium
 
 pytestmark = pytest.mark.engine
 
@@ -78,28 +80,121 @@ def saved(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Sav
     return Saved(path, copy, conversations)
 
 
-def test_a_restart_resumes_each_conversation_from_the_disk_tier(
+def slab_tier_hits(cache: Any) -> int:
+    """Tokens served from the host or the disk tier so far."""
+    return int(cache.admissions.hit_tokens_host + cache.admissions.hit_tokens_disk)
+
+
+def preload(llm: Any) -> None:
+    """Step an idle in-process engine until its start-up read is done, as an engine core's busy
+    loop does by itself (an in-process engine steps only when asked)."""
+    cache = cache_of(llm)
+    with deadline(TURN_SECONDS):
+        while cache.preloading:
+            llm.llm_engine.step()
+
+
+def test_a_restart_reads_the_disk_tier_into_the_host_tier_before_the_first_request(
     saved: Saved, cold: Any, plugin_log: PluginLog, tmp_path: Path
 ) -> None:
+    """The journaled entries come back disk-only; the engine's steps before any request read
+    them into the host tier's free room, most valuable first (the host tier, the disk's size,
+    holds them all), logged; each conversation then resumes from its endpoint with the cold
+    run's tokens, every cached token a host hit."""
     path = tmp_path / "cache"
     shutil.copytree(saved.copy, path)
     with small_pool_llm(config(path)) as llm:
         cache = cache_of(llm)
-        assert "journaled entries back (disk-only)" in plugin_log.take()
+        log = plugin_log.take()
+        assert "journaled entries back (disk-only)" in log and "reading the most valuable" in log
         store = cache.index.store
         assert store.snapshots, "nothing came back"
+        assert all(s.media == {Medium.DISK} for s in store.snapshots)
         assert store.pages.num_free == store.usable_pages  # disk-only: nothing on the device
+        cache.audit()
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.has_requests()  # no request, but an engine core's busy loop steps
+        scheduler.stop_requested = lambda: True  # as its hook answers once a stop is asked
+        assert not scheduler.has_requests()  # a stop does not wait for the read
+        scheduler.stop_requested = lambda: False
+        preload(llm)
+        assert all(s.media == {Medium.HOST, Medium.DISK} for s in store.snapshots)
+        assert cache.preload.progress.read > 0
+        assert (
+            cache.disk.read_bytes == cache.preload.progress.slabs * store.slabs.geometry.slab_bytes
+        )
+        assert "start-up read done" in plugin_log.take()
         cache.audit()
         for seed, conversation in enumerate(saved.conversations, start=10):
             turn = conversation + random_prompt(seed=seed, length=80)
-            before = cache.admissions.hit_tokens_disk
+            host, disk = cache.admissions.hit_tokens_host, cache.admissions.hit_tokens_disk
             out = greedy(llm, [turn], ANSWER)[0]
-            assert out.num_cached_tokens == len(conversation) - 1  # the endpoint, from disk
-            assert cache.admissions.hit_tokens_disk - before == out.num_cached_tokens
+            assert out.num_cached_tokens == len(conversation) - 1  # the endpoint
+            assert cache.admissions.hit_tokens_host - host == out.num_cached_tokens
+            assert cache.admissions.hit_tokens_disk == disk
             assert_same_up_to_near_tie(out, cold, turn, ANSWER)
             settle_and_audit(llm)
     log = plugin_log.take()  # the second engine flushed in turn
     assert "prefix cache saved to" in log and "cut short" not in log
+
+
+def test_a_request_is_served_while_the_start_up_read_runs(
+    saved: Saved, cold: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the disk slowed (fault point `disk_slow`, armed in this process where the
+    in-process worker's disk store runs), the next turn comes at once: it is served from its
+    endpoint with the cold run's tokens, from the disk (its own read, or the start-up read's
+    of its snapshot, awaited), while the start-up read goes on around it."""
+    from vllm_hpc import faults
+
+    path = tmp_path / "cache"
+    shutil.copytree(saved.copy, path)
+    with small_pool_llm(config(path)) as llm:
+        cache = cache_of(llm)
+        monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_slow"}))
+        conversation = saved.conversations[-1]
+        turn = conversation + random_prompt(seed=30, length=80)
+        with deadline(TURN_SECONDS):
+            out = greedy(llm, [turn], ANSWER)[0]
+        assert out.num_cached_tokens == len(conversation) - 1
+        assert cache.admissions.hit_tokens_disk == out.num_cached_tokens
+        assert cache.preload.progress.read > 0
+        monkeypatch.setattr(faults, "_ARMED", frozenset())
+        assert_same_up_to_near_tie(out, cold, turn, ANSWER)
+        preload(llm)
+        cache.audit()
+
+
+def test_a_damaged_record_met_by_the_start_up_read_is_dropped_alone(
+    saved: Saved, plugin_log: PluginLog, tmp_path: Path
+) -> None:
+    """A bit flipped in the image of the snapshot the start-up read takes first: that read
+    fails its check, the snapshot's record is dropped (journaled as dropped), logged, and every
+    other snapshot is still read into the host tier."""
+    path = tmp_path / "cache"
+    shutil.copytree(saved.copy, path)
+    with small_pool_llm(config(path)) as llm:
+        cache = cache_of(llm)
+        store = cache.index.store
+        first = cache.index.preload_order()[0]
+        others = set(store.snapshots) - {first}
+        size = store.slabs.geometry.slab_bytes
+        with disk_slab_path(path, 0, 0).open("r+b") as slabs:
+            slabs.seek(first.image_disk_slabs[0] * size + 100)
+            byte = slabs.read(1)
+            slabs.seek(-1, os.SEEK_CUR)
+            slabs.write(bytes([byte[0] ^ 0x01]))
+            slabs.flush()
+            os.fsync(slabs.fileno())
+        plugin_log.take()
+        preload(llm)
+        assert first not in store.snapshots and set(store.snapshots) == others
+        assert cache.index.stats.disk_records_dropped == 1
+        assert cache.preload.progress.failed == 1
+        assert all(s.media == {Medium.HOST, Medium.DISK} for s in others)
+        log = plugin_log.take()
+        assert "crc mismatch" in log and "failed its check" in log
+        cache.audit()
 
 
 def test_a_journal_of_another_engine_starts_empty_with_the_reason_logged(
@@ -150,11 +245,12 @@ def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
     size, whose GDSF keeps the most valuable of what it can hold; the journal comes back
     whole, and each conversation's next turn finishes with the cold run's tokens.
 
-    After the first turn, the host tier's slabs are held by its write behind to disk (not yet
-    reported when the second turn is looked up), so the second turn's read can find no room:
-    it is then given up, counted, and the turn served without the disk. It once ran forever
-    instead: the admission quoted the disk source again while the lookup had quoted without
-    it, so each step's admission was refused (disk-tier plan, step 5)."""
+    The first turn reads its tap from disk. The second finds its tap brought to the host by
+    the start-up read in the meantime, or reads it, or, where the host tier's slabs are held
+    by the first turn's write behind to disk, has its read given up (counted) and is served
+    without the disk. That last case once ran forever: the admission quoted the disk source
+    again while the lookup had quoted without it, so each step's admission was refused
+    (disk-tier plan, step 5)."""
     path = tmp_path / "cache"
     roomy = {
         "kv_cache_manager": "hybrid-prefix",
@@ -185,14 +281,15 @@ def test_a_stop_after_host_pressure_writes_what_only_device_slots_hold(
         frontiers = {s.frontier for s in cache.index.store.snapshots}
         for seed, conversation in enumerate(conversations, start=70):
             turn = conversation + random_prompt(seed=seed, length=80)
-            hits, declined = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads_declined
+            hits = slab_tier_hits(cache)
+            declined = cache.index.stats.disk_reads_declined
             with deadline(TURN_SECONDS):
                 out = greedy(llm, [turn], ANSWER)[0]
             if cache.index.stats.disk_reads_declined == declined:
-                assert out.num_cached_tokens in frontiers  # a journaled snapshot, read from disk
-                assert cache.admissions.hit_tokens_disk - hits == out.num_cached_tokens
+                assert out.num_cached_tokens in frontiers  # a journaled snapshot
+                assert slab_tier_hits(cache) - hits == out.num_cached_tokens
             else:
-                assert cache.admissions.hit_tokens_disk == hits
+                assert slab_tier_hits(cache) == hits
             assert_same_up_to_near_tie(out, cold, turn, ANSWER)
             settle_and_audit(llm)
         assert cache.admissions.hit_tokens_disk > 0

@@ -15,7 +15,9 @@ is not on disk.
 At start-up the journal is replayed (header: the engine fingerprint, the slab geometry, the
 tensor-parallel size): its live entries come back disk-only in the empty index and are written
 afresh, compacted. A journal of another engine, a damaged header or none starts an empty tier,
-logged with the reason; entries the replay leaves out are logged one line each.
+logged with the reason; entries the replay leaves out are logged one line each. Then the most
+valuable snapshots are read into the host tier's free room (`runtime/preload.py`), logged as
+it starts, every 5 s while it runs and when it ends.
 
 A hit on disk-only entries reads them back (plan §4): `checked` gives each read the journal's
 CRC-32 of every record per rank, and `read_ended`, once every rank has reported the read,
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +100,17 @@ class DiskTier:
                 len(replay.live),
                 path,
             )
+        cache.preload.start()
+        self._preload_started = self._preload_reported = time.perf_counter()
+        self._preload_reporting = cache.preloading
+        if cache.preloading:
+            slabs = cache.index.store.slabs
+            logger.info(
+                "hybrid-prefix disk tier: reading the most valuable of its %d snapshots into the "
+                "host tier's free %.1f MiB from the engine's first steps on",
+                cache.preload.progress.queued,
+                slabs.num_free * slabs.geometry.slab_bytes / 2**20,
+            )
 
     @property
     def live_entries(self) -> int:
@@ -137,6 +151,30 @@ class DiskTier:
             return
         if needs_compaction(len(self._entries), self.writer.entries):
             self.writer.compact(_stored(entry) for entry in self._entries.values())
+        self._report_preload()
+
+    def _report_preload(self) -> None:
+        """The start-up read's progress (long work shows progress): a line every 5 s while it
+        runs, and one when it ends."""
+        if not self._preload_reporting:
+            return
+        cache = self.cache
+        progress = cache.preload.progress
+        now = time.perf_counter()
+        if cache.preloading and now - self._preload_reported < 5.0:
+            return
+        self._preload_reported = now
+        self._preload_reporting = cache.preloading
+        logger.info(
+            "hybrid-prefix disk tier: start-up read %s: %d of %d snapshots, %.1f MiB into the "
+            "host tier in %.1f s%s",
+            "running" if cache.preloading else "done",
+            progress.read,
+            progress.queued,
+            progress.slabs * cache.index.store.slabs.geometry.slab_bytes / 2**20,
+            now - self._preload_started,
+            f", {progress.failed} failed their check" if progress.failed else "",
+        )
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -153,21 +191,21 @@ class DiskTier:
         """Every rank reported read ``batch``: complete it, or fail it with the records any
         rank found damaged (logged; their requests recompute from a shallower source)."""
         failed = sorted({record for report in ranks.values() for record in report})
+        ended = self.cache.fail_disk_read(batch, failed) if failed else None
         if not failed:
             self.cache.complete_disk_read(batch)
-            return
-        ended = self.cache.fail_disk_read(batch, failed)
-        if ended is not None:
+        elif ended is not None:
             read, dropped = ended
             logger.warning(
                 "hybrid-prefix disk tier: read batch %d failed its check at record(s) %s: "
-                "%d dropped with what depends on them; its request recomputes (snapshot at "
-                "token %d)",
+                "%d dropped with what depends on them (snapshot at token %d); a request "
+                "resumes from a shallower source",
                 batch,
                 failed,
                 dropped,
                 read.snapshot.frontier,
             )
+        self._report_preload()  # the last read may end the start-up read: no step may follow
 
     # -- entries ----------------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ The journal is replayed when the scheduler is built (`DiskTier`); the entries it
 are published as KV events before the first request: in a wrapper of `EngineCore.__init__` for
 an engine core in this process (`LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0), and of
 `EngineCoreProc.run_busy_loop` in an engine-core process, which loads the plugin from inside
-`EngineCore.__init__` (vLLM's `load_general_plugins`), too late to wrap that call.
+`EngineCore.__init__` (vLLM's `load_general_plugins`), too late to wrap that call. That wrapper
+also tells the scheduler when the busy loop is asked to stop (vLLM's `shutdown_state`), so that
+the start-up read, which keeps an idle engine core stepping, never holds a stop back.
 """
 
 from __future__ import annotations
@@ -84,9 +86,18 @@ def _before_the_busy_loop(run_busy_loop: Callable[[Any], None]) -> Callable[[Any
         _published_once(self)
         if _disk_tier(self) is not None:
             accept_orderly_stop(lambda: getattr(self, "_hpc_saved", False))
+            self.scheduler.stop_requested = partial(_stop_requested, self)
         run_busy_loop(self)
 
     return wrapper
+
+
+def _stop_requested(core: Any) -> bool:
+    """Whether vLLM's busy loop was asked to stop (a stop signal, the front end's stop): it
+    then runs only until no work is left, and the start-up read is no longer work
+    (`HybridPrefixScheduler.has_requests`)."""
+    state = getattr(core, "shutdown_state", None)
+    return state is not None and state.name != "RUNNING"
 
 
 def _published_once(core: Any) -> None:

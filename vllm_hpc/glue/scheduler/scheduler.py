@@ -1,7 +1,7 @@
 """HybridPrefixScheduler: vLLM's scheduler with vllm_hpc's KV cache manager.
 
 `--scheduler-cls` is vLLM's supported way to change what `Scheduler.__init__` builds. The
-subclasses here change five things and leave the scheduling policy (FCFS, chunked prefill,
+subclasses here change six things and leave the scheduling policy (FCFS, chunked prefill,
 preemption) to vLLM:
 
 - the KV cache manager is a `HybridPrefixKVCacheManager`, and no more requests run at once than
@@ -10,6 +10,9 @@ preemption) to vLLM:
   alignment, `_mamba_block_aligned_split`, is reused for this);
 - after each step, the tokens a request has computed commit their blocks and publish its taps;
 - a request that can never fit in the device pool is failed with an error;
+- while the disk tier's start-up read runs, the engine core keeps stepping without requests
+  (`has_requests`), as vLLM's busy loop does for a connector's pending work, so that the
+  workers' reads are handed out and reported;
 - with `--cache-audit-rate`, the cache audit's runs are queued and their outputs kept from the
   front end (`cache_audit.py`).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -65,6 +69,9 @@ class _HybridPrefixMixin:
         self.max_num_running_reqs = min(self.max_num_running_reqs, slots)
         self.max_num_active_reqs = min(self.max_num_active_reqs, slots)
         self.need_mamba_block_aligned_split = True
+        self.stop_requested: Callable[[], bool] = _never
+        """Whether the engine core running this scheduler was asked to stop: an engine-core
+        process's hook answers (`glue/scheduler/engine_core.py`)."""
         options = PluginOptions.from_additional_config(vllm_config.additional_config)
         self._audit = (
             CacheAudit(
@@ -93,6 +100,15 @@ class _HybridPrefixMixin:
 
     def _free_cow_retained_blocks(self, blocks: list[Any], fence_seq: int) -> None:
         """The cache retains no vLLM blocks for its page copies: nothing to release."""
+
+    def has_requests(self) -> bool:
+        """vLLM's answer, or the cache's start-up read still running: its reads go to the
+        workers in step plans and come back in step outputs, so an idle engine core must step
+        (empty steps, as after requests finish) until it is done (§5.5), unless it is asked to
+        stop (`stop_requested`): a stop does not wait for the read."""
+        if super().has_requests():  # type: ignore[misc]
+            return True
+        return self.kv_cache_manager.cache.preloading and not self.stop_requested()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's step, recorded as in flight for its requests until its output (§7.7)."""
@@ -166,6 +182,10 @@ class _HybridPrefixMixin:
                 trace_headers=request.trace_headers,
             )
             outputs.setdefault(request.client_index, _engine_core_outputs()).outputs.append(output)
+
+
+def _never() -> bool:
+    return False
 
 
 def _engine_core_outputs() -> Any:

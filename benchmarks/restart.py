@@ -10,14 +10,18 @@ that ``--prefix-cache-file DIR`` is an alias of), one after the other:
    any request; the entries come back disk-only) and runs the conversation's next turn: the
    first turn, its answer and ``--new-tokens`` tokens, read from the disk. Then the same next
    turn again under another ``cache_salt``, so that it runs cold and its greedy answer can be
-   set beside the restored one.
+   set beside the restored one. Its start-up read (design §5.5), which would bring the entries
+   into the host tier during the warm-up's steps, is stopped before them, so that the next turn
+   reads from the disk, which this measures; with ``--start-up-read`` it runs instead, stepped
+   to its end (timed) as an idle engine core's busy loop steps it, and the next turn restores
+   from the host.
 
 Reported: the first turn's TTFT (cold), the stop's writes (their log line), the journal's
 replay (its log line), the next turn's TTFT after the restart, its cached tokens, the bytes
 read from the disk and when (below), the same turn's cold TTFT (the reference), and the
-restored answer against the cold one by the near-tie rule (`vllm_hpc.exactness`). Reading the
-most valuable entries into the host tier while vLLM compiles is not built (disk-tier plan, step
-5): the next turn pays its disk read in its TTFT. Each engine first warms up on a short prompt
+restored answer against the cold one by the near-tie rule (`vllm_hpc.exactness`). The start-up
+read begins after vLLM's compile, not during it (vLLM builds the scheduler, which replays the
+journal, after the compile). Each engine first warms up on a short prompt
 of its own. Each engine runs in a process of its own, as a restarted server does, with its
 engine core in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the cache's counters can be
 read.
@@ -152,14 +156,30 @@ def turn(
 
 
 def started(args: argparse.Namespace, vocab: int, seed: int) -> tuple[Any, float]:
-    """An engine, warmed up on a short prompt of its own, and its start-up seconds."""
+    """An engine, warmed up on a short prompt of its own, and its start-up seconds. Its
+    start-up read is stopped before the warm-up's steps unless ``--start-up-read``."""
     from vllm import LLM
 
     begun = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     seconds = time.perf_counter() - begun
+    if not args.start_up_read:
+        cache_of(llm).preload.stop()
     turn(llm, random_prompt(seed, 512, vocab), 2)
     return llm, seconds
+
+
+def start_up_read(llm: Any) -> dict[str, float]:
+    """Step the engine until its start-up read has ended: the MiB it read (the warm-up's steps
+    carried its first reads) and the seconds stepped after the warm-up."""
+    cache = cache_of(llm)
+    begun = time.perf_counter()
+    while cache.preloading:
+        llm.llm_engine.step()
+    return {
+        "start_up_read_mib": cache.disk.read_bytes / 2**20,
+        "start_up_read_s": time.perf_counter() - begun,
+    }
 
 
 def stopped(llm: Any) -> float:
@@ -241,12 +261,14 @@ def second_engine(args: argparse.Namespace, next_turn: list[int]) -> dict[str, A
     lines = _Lines()
     logging.getLogger("vllm.vllm_hpc").addFilter(lines)
     llm, start_s = started(args, vocab_size(args.model), seed=101)
+    preloaded = start_up_read(llm) if args.start_up_read else {}
     read = disk_read(llm, next_turn, args.answer)
     cold_next = turn(llm, next_turn, args.answer, salt="restart-benchmark-cold")
     stopped(llm)
     return {
         "second_start_s": start_s,
         "replay": replay_line(lines.messages),
+        **preloaded,
         **read,
         "cold_next_turn": cold_next,
     }
@@ -315,6 +337,12 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, command: str) -> 
         ),
         ("journaled entries back", f"{replay.get('back')} of {replay.get('journaled')}"),
         (
+            "start-up read into the host tier: MiB / seconds stepped after the warm-up",
+            f"{report['start_up_read_mib']:,.1f} / {seconds(report['start_up_read_s'])}"
+            if "start_up_read_s" in report
+            else "stopped before the first step (the next turn reads from the disk)",
+        ),
+        (
             "next turn after the restart: prompt / cached tokens / TTFT",
             f"{after['prompt_tokens']:,} / {after['cached_tokens']:,} / {after['ttft_s']:.3f} s",
         ),
@@ -371,6 +399,13 @@ def add_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         help="vLLM's max_num_seqs (default: vLLM's); an H100 holds fewer state rows of the 27B "
         "shape's float32 state than vLLM 0.34's default asks for",
+    )
+    ap.add_argument(
+        "--start-up-read",
+        action="store_true",
+        help="let the restarted engine's start-up read run to its end before the next turn "
+        "(which then restores from the host tier); by default it is stopped, and the next turn "
+        "reads from the disk",
     )
     add_eager_option(ap)
 

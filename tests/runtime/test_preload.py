@@ -101,3 +101,22 @@ def test_the_stop_plans_no_more_reads() -> None:
     cache.write_through_at_stop()
     assert not cache.preloading and not idle_step(cache).disk_reads
     cache.audit()
+
+
+def test_two_requests_awaiting_one_read_keep_it_until_the_last_is_admitted() -> None:
+    cache, (dear,) = restarted(host_slabs=32, conversations=1)
+    cache.new_step()
+    (read,) = cache.take_plan().disk_reads  # the start-up read of the only snapshot
+    tokens = prompt(300, seed=0)  # the snapshot's conversation; another turn parts at 150
+    other = tokens[:150] + prompt(150, seed=9)  # (not a sibling: they share only its blocks)
+    first, second = RequestInfo("first", tokens, 300), RequestInfo("second", other, 300)
+    assert waiting_step(cache, first)[0] is None and waiting_step(cache, second)[0] is None
+    cache.complete_disk_read(read.batch)
+    cache.audit()  # one landed read, kept for both
+    lane = waiting_step(cache, first)[0]
+    assert lane is not None and lane.base == FRONTIER
+    assert dear.disk_pins == 1  # still kept: the second awaits it
+    cache.audit()
+    lane = waiting_step(cache, second)[0]
+    assert lane is not None and lane.base == FRONTIER and dear.disk_pins == 0
+    cache.audit()

@@ -37,6 +37,9 @@ class PreloadProgress:
 
 
 class Preload:
+    """The start-up read's queue of snapshots and its one read in flight: one at a time, so a
+    request's own read waits behind at most one of them."""
+
     def __init__(self, index: PrefixIndex, pipeline: StepPipeline) -> None:
         self.index = index
         self.pipeline = pipeline

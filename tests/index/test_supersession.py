@@ -115,25 +115,3 @@ def test_a_boundary_another_conversation_resumed_from_stays_retained() -> None:
     h.tap(admission.lease, session, 3 * BLOCK)
     assert not boundary.superseded
     h.finish(admission.lease)
-
-
-def test_a_tap_skipped_for_want_of_a_slot_supersedes_nothing() -> None:
-    """A tap that finds no slot leaves nothing deeper, so the lineage's last tap stays retained:
-    superseded, it would be the first to lose its slot and its host copy (§9.2, §9.3) with no
-    snapshot serving below it instead. On the H100 with a float32 state a long prompt's earlier
-    taps held every slot while their writes landed, and its final chunk's taps found none
-    (docs/notes/deep-edit-turn-6.md)."""
-    h = Harness(make_index(host_slabs=64, slots=2))
-    prompt = toks(14, 4 * BLOCK)
-    lease = h.admit(prompt).lease
-    publications = [h.tap(lease, prompt, f * BLOCK, write=False) for f in (1, 2)]
-    first, second = map(snap, publications)
-    assert first.superseded and not second.superseded
-    # Both slots are pinned by their host writes: the next tap is skipped.
-    assert h.tap(lease, prompt, 3 * BLOCK) is None
-    assert h.index.stats.taps_skipped_no_slot == 1
-    assert not second.superseded
-    for publication in publications:
-        assert publication is not None and publication.write is not None
-        h.index.complete_snapshot_write(publication.write)
-    h.finish(lease)

@@ -580,25 +580,19 @@ class PrefixIndex:
 
     def take_snapshot_slot(self, lease: Lease, kind: SnapshotKind, frontier: int) -> SlotId | None:
         """A device slot to capture a tap or endpoint at ``frontier`` into (§9.2), or None to
-        skip it. Supersedes the lineage's predecessors first, so the slot can come from them;
-        a skipped tap leaves them as they were, since nothing deeper will serve instead."""
+        skip it. Supersedes the lineage's predecessors first, so the slot can come from them."""
         self._check_lease(lease)
         if frontier < 1:
             raise ValueError(f"a snapshot frontier must be positive, got {frontier}")
         store = self.store
         store.advance()
-        resumed_from = lease.resumed_from
-        superseded = self._supersede_lineage(lease, kind, frontier)
+        self._supersede_lineage(lease, kind, frontier)
         priority = store.value.estimate(
             frontier, lease.previous_frontier, frontier % BLOCK_TOKENS != 0
         )
         slot = store.take_slot(priority)
         if slot is None:
             self.stats.taps_skipped_no_slot += 1
-            for previous in superseded:
-                if previous in store.snapshots:
-                    store.set_superseded(previous, False)
-            lease.resumed_from = resumed_from
         return slot
 
     def return_snapshot_slot(self, slot: SlotId) -> None:
@@ -840,29 +834,24 @@ class PrefixIndex:
         self._in_flight.remove(transfer)
         self.store.advance()
 
-    def _supersede_lineage(self, lease: Lease, kind: SnapshotKind, frontier: int) -> list[Snapshot]:
+    def _supersede_lineage(self, lease: Lease, kind: SnapshotKind, frontier: int) -> None:
         """The lineage moves past its resumed snapshot, and a tap past its previous tap; an
-        endpoint leaves the last tap retained for a next turn that re-renders the reply.
-        Returns the snapshots it superseded."""
+        endpoint leaves the last tap retained for a next turn that re-renders the reply."""
         predecessors = [lease.resumed_from]
         if kind is not SnapshotKind.ENDPOINT:
             predecessors.append(lease.last_tap)
-        superseded = []
         for previous in predecessors:
             if (
                 previous is not None
                 and previous in self.store.snapshots
-                and not previous.superseded
                 and previous.frontier < frontier
                 and _decidable(lease, previous)
                 and may_supersede(previous)
             ):
                 self.store.set_superseded(previous, True)
-                superseded.append(previous)
         resumed = lease.resumed_from
         if resumed is not None and resumed.frontier < frontier and _decidable(lease, resumed):
             lease.resumed_from = None
-        return superseded
 
     def _write_snapshot(self, snapshot: Snapshot) -> SnapshotWrite | None:
         """Plan the image and tail write-through, evicting only what is worth no more (§9.3)."""

@@ -31,6 +31,14 @@ class ServerError(RuntimeError):
     """The server exited or did not start; the message ends with its log's tail."""
 
 
+def log_tail(log: Path, lines: int = 100, width: int = 300) -> str:
+    """The last ``lines`` lines of a server's log for a failure's message, each cut to
+    ``width`` characters: a metrics line alone can fill a tail by characters, hiding the stop's
+    lines before it. The route table is left out."""
+    kept = [line[:width] for line in log.read_text().splitlines() if "Route: " not in line]
+    return "\n".join(kept[-lines:])
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for a server or an event stream)."""
     with socket.socket() as s:
@@ -102,14 +110,14 @@ def running_server(
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if process.poll() is not None:
-                raise ServerError(f"server exited:\n{log.read_text()[-3000:]}")
+                raise ServerError(f"server exited:\n{log_tail(log)}")
             try:
                 urllib.request.urlopen(f"{base}/health", timeout=2)
                 break
             except OSError:
                 time.sleep(1)
         else:
-            raise ServerError(f"server did not start:\n{log.read_text()[-3000:]}")
+            raise ServerError(f"server did not start:\n{log_tail(log)}")
         yield base, process.pid
     finally:
         process.terminate()

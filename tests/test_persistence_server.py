@@ -25,6 +25,7 @@ import torch
 from engine_support import random_prompt
 from server_support import (
     greedy_body,
+    log_tail,
     metrics,
     model_id,
     parting_from_cold,
@@ -79,7 +80,7 @@ def engine_core(pid: int) -> psutil.Process:
 def wait_for(log: Path, text: str, timeout: float = STOP_TIMEOUT_S) -> None:
     deadline = time.time() + timeout
     while text not in log.read_text():
-        assert time.time() < deadline, f"{text!r} never logged:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"{text!r} never logged:\n{log_tail(log)}"
         time.sleep(0.05)
 
 
@@ -120,8 +121,8 @@ def assert_saved(log: Path, engines: int = 1) -> None:
     """Each of ``engines`` engine cores wrote its queue behind and synced its journal, whole,
     and no process died first."""
     text = log.read_text()
-    assert text.count("prefix cache saved to") == engines, text[-3000:]
-    assert "cut short" not in text and "died unexpectedly" not in text, text[-3000:]
+    assert text.count("prefix cache saved to") == engines, log_tail(log)
+    assert "cut short" not in text and "died unexpectedly" not in text, log_tail(log)
 
 
 def assert_resumes(
@@ -176,7 +177,7 @@ def test_every_way_of_stopping_saves_and_a_restart_resumes(
         core.send_signal(signal.SIGTERM)  # the second stop signal, where the writes run
         psutil.Process(pid).wait(STOP_TIMEOUT_S)
         running.join(STOP_TIMEOUT_S)
-    assert "cut short by a second stop signal" in log.read_text(), log.read_text()[-3000:]
+    assert "cut short by a second stop signal" in log.read_text(), log_tail(log)
     monkeypatch.delenv(FAULTS_ENV)
 
     log = tmp_path / "killed.log"

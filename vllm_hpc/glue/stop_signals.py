@@ -18,14 +18,21 @@ make that so:
   (`stop_signals_caught`). vLLM puts the default handlers back before the engine core shuts
   down, so without them a second signal would kill the process in the middle of a journal
   write (harmless: a torn entry fails its CRC; but the log would say nothing).
+
+An engine core still running when its grace ends is killed, with what it had not written. The
+front end first sends it and its workers `STACK_DUMP` (`dump_stacks_on_request`): the log says
+where each of their threads was, even one blocked outside Python, where no handler of Python
+runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +42,8 @@ logger = logging.getLogger("vllm.vllm_hpc")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ORDERLY_STOP = signal.SIGUSR2
 """What the front end sends an engine core to stop it, where vLLM sends SIGTERM."""
+STACK_DUMP = signal.SIGUSR1
+"""What the front end sends an engine core, and its workers, that outlived the stop's grace."""
 
 
 def in_main_thread() -> bool:
@@ -81,6 +90,23 @@ def accept_orderly_stop(stopping: Callable[[], bool]) -> None:
 def send_orderly_stop(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, ORDERLY_STOP)
+
+
+def dump_stacks_on_request() -> None:
+    """`STACK_DUMP` writes every thread's Python stack to standard error, from the signal's own
+    C handler (`faulthandler`): it works while the main thread is blocked in a C call."""
+    faulthandler.register(STACK_DUMP, file=sys.stderr, all_threads=True)
+
+
+def send_stack_dump(pid: int) -> None:
+    """`STACK_DUMP` to process ``pid`` and every process below it."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(pid)
+        for each in [process, *process.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                each.send_signal(STACK_DUMP)
 
 
 _deferring: dict[int, Any] = {}

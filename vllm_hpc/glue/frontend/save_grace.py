@@ -7,8 +7,9 @@ tier's queue takes longer. With a disk tier (`--disk-cache-dir`, `--prefix-cache
 manager first sends `ORDERLY_STOP` instead of SIGTERM (an engine core already writing, because
 the user's signal reached it too, ignores it: `glue/stop_signals.py`) and waits up to the
 stop's grace (`derived.save_grace_seconds`); an engine core that stops sooner ends the wait
-sooner. One still running at the grace's end gets vLLM's SIGTERM, which ends its writes, and is
-killed: what the journal held stays.
+sooner. One still running at the grace's end is asked for its threads' stacks (written to the
+log: where it was stuck), then gets vLLM's SIGTERM, which ends its writes, and is killed: what
+the journal held stays.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import Any
 
 from vllm_hpc.derived import disk_tier_spec, save_grace_seconds
 from vllm_hpc.glue import InstallOnce
-from vllm_hpc.glue.stop_signals import send_orderly_stop
+from vllm_hpc.glue.stop_signals import send_orderly_stop, send_stack_dump
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
+
+STACK_DUMP_SECONDS = 1.0
+"""How long the stacks of an engine core killed at the grace's end get to be written."""
 
 
 @InstallOnce
@@ -62,6 +66,17 @@ def install_save_grace() -> None:
             # engine core was seen to return 12 s into its 30 s with the process still alive.
             while any(p.is_alive() for p in running) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            stuck = [p for p in running if p.is_alive()]
+            if stuck:
+                logger.warning(
+                    "prefix cache: %s still running after %.0f s, killed with what it had not "
+                    "written; its threads' stacks follow",
+                    ", ".join(p.name for p in stuck),
+                    wait,
+                )
+                for process in stuck:
+                    send_stack_dump(process.pid)
+                time.sleep(STACK_DUMP_SECONDS)
         original_shutdown(self, timeout)
 
     CoreEngineProcManager.__init__ = __init__

@@ -33,7 +33,7 @@ from vllm_hpc.derived import save_grace_seconds
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.scheduler.disk_tier import DiskTier
 from vllm_hpc.glue.scheduler.stop_flush import flush_at_stop
-from vllm_hpc.glue.stop_signals import accept_orderly_stop
+from vllm_hpc.glue.stop_signals import accept_orderly_stop, dump_stacks_on_request
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -86,6 +86,7 @@ def _before_the_busy_loop(run_busy_loop: Callable[[Any], None]) -> Callable[[Any
         _published_once(self)
         if _disk_tier(self) is not None:
             accept_orderly_stop(lambda: getattr(self, "_hpc_saved", False))
+            dump_stacks_on_request()
             self.scheduler.stop_requested = partial(_stop_requested, self)
         run_busy_loop(self)
 

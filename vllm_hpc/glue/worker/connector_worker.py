@@ -24,7 +24,7 @@ from vllm_hpc.glue.connector_metadata import (
     WritesLanded,
 )
 from vllm_hpc.glue.metrics import HybridPrefixStats
-from vllm_hpc.glue.stop_signals import defer_first_stop_signal
+from vllm_hpc.glue.stop_signals import defer_first_stop_signal, dump_stacks_on_request
 from vllm_hpc.glue.worker.call_clock import HostCallClock
 from vllm_hpc.glue.worker.disk_tier import RankDiskTier
 from vllm_hpc.glue.worker.host_arena import HostArena, RestoreHandle, SlabGrid
@@ -179,6 +179,7 @@ class ConnectorWorker:
             )
             if parallel.distributed_executor_backend == "mp":  # a worker process of its own
                 defer_first_stop_signal(f"worker {tensor_parallel_rank()}")
+                dump_stacks_on_request()
 
     def bind_connector_metadata(self, connector_metadata: StepMetadata) -> None:
         self.issue_writes()  # a step whose runner finalized no pass (not seen in vLLM 0.32)

@@ -195,6 +195,27 @@ def test_host_copies_on_disk_are_evicted_first_and_nothing_is_lost() -> None:
     assert match.candidates == [snapshot]
 
 
+def test_a_copy_on_disk_backs_the_device_as_a_host_copy_does() -> None:
+    """#50: the host gives up first what the disk holds too, so a device page or slot whose
+    only other copy is on disk must count as backed, not as a last copy: else the device keeps
+    it by value, a new tap finds no slot and is skipped, and a restore-from-disk that loses
+    nothing is priced as a loss (device hits lower with the disk tier than without it)."""
+    h = Harness(make_index(slots=1, host_slabs=20, disk_slabs=20))
+    _, kept = tapped(h, 30)
+    store = h.index.store
+    store.touch(kept, hit=True)  # worth more than the tap below: a last copy would stay
+    to_disk(h)
+    assert store.make_host_room(store.slabs.capacity)
+    h.check()
+    path = kept.anchor.path()
+    assert kept.media == {Medium.DEVICE, Medium.DISK} and kept.slot is not None
+    assert all(store.lru.is_backed(node) for node in path) and store.lru.is_backed(kept)
+    (new,) = h.run(toks(31, BLOCK + 5), taps=[BLOCK])
+    assert new is not None and h.index.stats.taps_skipped_no_slot == 0
+    assert kept.slot is None and kept in store.snapshots and Medium.DISK in kept.media
+    assert store.value.inflation == 0.0  # nothing was lost
+
+
 # -- reads back into the host ---------------------------------------------------------------
 
 

@@ -35,16 +35,19 @@ def first_found(order: Iterable[Step], take: Callable[[Step], Found]) -> Found |
 # -- the device LRU (§9.1) ------------------------------------------------------------------
 
 
-def has_host_copy(entry: BlockNode | Snapshot) -> bool:
+def has_copy_below(entry: BlockNode | Snapshot) -> bool:
     """Whether evicting a device LRU entry (a node's page, a snapshot's tail page) drops only its
-    device copy: the LRU list it belongs to."""
+    device copy, the host or the disk holding another: the LRU list it belongs to. The disk
+    counts as the host does: the host gives up first what the disk holds too (`HOST_EVICTION`),
+    and a device that took those entries for last copies would keep them over what it could
+    lose for nothing (#50)."""
     if isinstance(entry, Snapshot):
-        return entry.tail_host is Residency.RESIDENT
-    return entry.host is Residency.RESIDENT
+        return Residency.RESIDENT in (entry.tail_host, entry.tail_disk)
+    return Residency.RESIDENT in (entry.host, entry.disk)
 
 
 LRU_LISTS: tuple[bool, ...] = (True, False)
-"""The device LRU's lists in eviction order, by `has_host_copy`: host-backed entries before
+"""The device LRU's lists in eviction order, by `has_copy_below`: backed entries before
 unbacked ones, least recently used first within each."""
 
 
@@ -56,8 +59,9 @@ class SlotOwner(Enum):
 
     SUPERSEDED = "superseded"
     """Nothing a request resumes from: a newer snapshot of its lineage serves instead."""
-    HOST_BACKED = "host-backed"
-    """Only its device copy: a hit restores the image from the host."""
+    BACKED = "backed"
+    """Only its device copy: a hit restores the image from the host, or reads it from the disk
+    first (as `has_copy_below`)."""
     DEVICE_ONLY = "device-only"
     """Its last copy: the snapshot goes, a value eviction (L rises, §9.3)."""
 
@@ -65,8 +69,8 @@ class SlotOwner(Enum):
 def slot_owner(s: Snapshot) -> SlotOwner:
     if s.superseded:
         return SlotOwner.SUPERSEDED
-    if s.image_host is Residency.RESIDENT:
-        return SlotOwner.HOST_BACKED
+    if Residency.RESIDENT in (s.image_host, s.image_disk):
+        return SlotOwner.BACKED
     return SlotOwner.DEVICE_ONLY
 
 
@@ -82,11 +86,11 @@ def value_key(s: Snapshot) -> tuple[float, int]:
 
 
 def _within(s: Snapshot, kind: SlotOwner) -> tuple[float, int]:
-    """Among owners of one kind: the oldest supersession; the least recently hit, since a host
-    copy remains and recency decides; the lowest value, since it is a last copy."""
+    """Among owners of one kind: the oldest supersession; the least recently hit, since a copy
+    remains below and recency decides; the lowest value, since it is a last copy."""
     if kind is SlotOwner.SUPERSEDED:
         return (s.superseded_at, s.id)
-    if kind is SlotOwner.HOST_BACKED:
+    if kind is SlotOwner.BACKED:
         return (s.last_hit, s.id)
     return value_key(s)
 
@@ -94,16 +98,16 @@ def _within(s: Snapshot, kind: SlotOwner) -> tuple[float, int]:
 REPLACEMENT: tuple[SlotOwner, ...] = (
     SlotOwner.SUPERSEDED,
     SlotOwner.DEVICE_ONLY,
-    SlotOwner.HOST_BACKED,
+    SlotOwner.BACKED,
 )
 """Whose slot a new tap or endpoint takes when none is free (§9.2). Snapshot against snapshot,
 so value decides: a device-only owner goes to one worth as much (`may_replace`), before a
-host-backed owner loses its device copy. With a host tier, device-only owners are the snapshots
-it declined or evicted by value: taking host-backed slots first would leave the slots to them."""
+backed owner loses its device copy. With a host tier, device-only owners are the snapshots it
+declined or evicted by value: taking backed slots first would leave the slots to them."""
 
 GIVE_WAY: tuple[SlotOwner, ...] = (
     SlotOwner.SUPERSEDED,
-    SlotOwner.HOST_BACKED,
+    SlotOwner.BACKED,
     SlotOwner.DEVICE_ONLY,
 )
 """Whose row a running request's state or KV pages take (§5.4). They must have the room (§9.5)
@@ -136,11 +140,11 @@ class Room(Enum):
     """A state row given back while the plan being built may still copy it: another state may
     have it at once, since copies into and out of state rows keep their order within a plan."""
     LOSSLESS_KV_ROW = "lossless KV row"
-    """A free row, or a row of cached pages that all have host copies, by `kv_row_key`."""
+    """A free row, or a row of cached pages that all have copies below, by `kv_row_key`."""
     KV_ROW = "KV row"
     """The row of free and cached pages the device LRU would empty first (`kv_row_key`)."""
     BACKED_PAGE = "backed page"
-    """The least recently used host-backed LRU entry's page."""
+    """The least recently used backed LRU entry's page (`has_copy_below`)."""
     UNBACKED_PAGE = "unbacked page"
     """The least recently used LRU entry without a host copy: its block's subtree goes too."""
     LOSSLESS_SNAPSHOT = "lossless snapshot"
@@ -187,7 +191,7 @@ first."""
 def kv_row_key(newest: int, row: RowId) -> tuple[int, int]:
     """The row of KV pages a state takes: the one whose most recently used entry (``newest``, its
     position in the LRU's order; -1 for none) is the oldest, so eviction follows the LRU as
-    closely as whole rows allow, and a row of host-backed entries goes before any row that loses
+    closely as whole rows allow, and a row of backed entries goes before any row that loses
     a last copy. Among rows with nothing to evict, the highest: KV pages are taken lowest first."""
     return (newest, -row)
 
@@ -220,7 +224,7 @@ class TierStep(Enum):
 
     BACKED = "backed"
     """A host copy the disk also holds (`backed_on_disk`), oldest first: nothing is lost, as
-    the device LRU drops host-backed pages first."""
+    the device LRU drops backed pages first."""
     DEAD_KV = "dead KV"
     """A block no snapshot can reach, oldest first: it can never produce a hit."""
     SUPERSEDED = "superseded"

@@ -216,6 +216,41 @@ def test_a_copy_on_disk_backs_the_device_as_a_host_copy_does() -> None:
     assert store.value.inflation == 0.0  # nothing was lost
 
 
+def test_a_snapshot_write_stops_at_a_cheaper_one_written_behind() -> None:
+    """#50: the least valuable host snapshot is the one host eviction would take, and the
+    write-behind pins it while its write is in flight; a write-through weighing value stops
+    there rather than take a last copy worth more, which the host tier alone would have kept.
+    Once the write lands, the written one goes first and loses nothing."""
+    h = Harness(make_index(host_slabs=8, disk_slabs=40, slots=8))
+    store = h.index.store
+    _, cheap = tapped(h, 40, blocks=1)
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    _, dear = tapped(h, 41, blocks=1)
+    store.touch(dear, hit=True)
+    assert cheap.priority < dear.priority and store.slabs.num_free == 0
+    assert not store.make_host_room(3, limit=1.0)  # the two dead blocks went, then it stops
+    h.check()
+    assert Medium.HOST in dear.media and h.index.stats.host_gdsf_evicted == 0
+    h.index.complete_disk_write(write)
+    assert store.make_host_room(5, limit=1.0)  # and the written one's three slabs
+    h.check()
+    assert Medium.HOST in dear.media and cheap.media == {Medium.DEVICE, Medium.DISK}
+    assert h.index.stats.host_gdsf_evicted == 0 and store.value.inflation == 0.0
+
+
+def test_room_that_weighs_no_value_takes_the_next_snapshot_past_one_written_behind() -> None:
+    h = Harness(make_index(host_slabs=8, disk_slabs=40, slots=8))
+    store = h.index.store
+    _, cheap = tapped(h, 42, blocks=1)
+    (write,) = h.index.plan_disk_writes(1 << 30)
+    _, dear = tapped(h, 43, blocks=1)
+    assert store.make_host_room(3)  # a block write or a read: it needs the room now
+    h.check()
+    assert Medium.HOST not in dear.media and Medium.HOST in cheap.media
+    h.index.complete_disk_write(write)
+    h.check()
+
+
 # -- reads back into the host ---------------------------------------------------------------
 
 

@@ -76,6 +76,12 @@ def snapshot_pinned(snapshot: Snapshot) -> bool:
     return snapshot.restore_pins > 0 or snapshot.disk_pins > 0
 
 
+def written_behind(snapshot: Snapshot) -> bool:
+    """Whether the snapshot's only hold is its write to disk, still in flight: once it lands
+    the host copy is backed (`TierStep.BACKED`) and goes losing nothing."""
+    return snapshot.image_disk is Residency.FILLING and snapshot.restore_pins == 0
+
+
 class TierEvictor:
     """The derived sets one slab tier evicts from; ``medium`` is `Medium.HOST` or
     `Medium.DISK`."""
@@ -126,7 +132,10 @@ class TierEvictor:
 
         ``superseded``: every superseded snapshot, oldest supersession first. ``limit``: a write
         stops at `TierStep.VALUE` rather than evict a snapshot worth more than the new one (GDSF
-        never inserts what it would evict next).
+        never inserts what it would evict next), or than one `written_behind`: that one would
+        go first by value, and its pin must not make a last copy worth more go in its place
+        (#50). The new one stays on the device, declined, and the written one goes once its
+        write lands, losing nothing. A block write or a read weighs no value and takes the next.
         """
         return first_found(
             self.order, lambda step: self._victim(step, snapshots, superseded, limit)
@@ -154,13 +163,18 @@ class TierEvictor:
                         return StaleSnapshot(snapshot)
             case TierStep.VALUE:
                 key = value_key if medium is Medium.HOST else disk_value_key
+                waits = limit is not None and medium is Medium.HOST
                 retained = (
                     s
                     for s in snapshots
-                    if not s.superseded and not snapshot_pinned(s) and holds_copy(s, medium)
+                    if not s.superseded
+                    and holds_copy(s, medium)
+                    and (not snapshot_pinned(s) or (waits and written_behind(s)))
                 )
                 best = min(retained, key=key, default=None)
-                if best is not None and (limit is None or key(best)[0] <= limit):
+                if best is None or snapshot_pinned(best):
+                    return None
+                if limit is None or key(best)[0] <= limit:
                     return ValuedSnapshot(best)
         return None
 

@@ -18,7 +18,11 @@ import shutil
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_hpc.runtime.cache import HybridPrefixCache, Lookup, RequestInfo
+    from vllm_hpc.runtime.lane import Lane
 
 REPOSITORY = Path(__file__).parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -90,6 +94,34 @@ def random_prompt(seed: int, length: int, vocab: int, low: int = 10) -> list[int
     """``length`` token ids drawn from ``[low, vocab)`` by a generator seeded with ``seed``."""
     rng = random.Random(seed)
     return [rng.randrange(low, vocab) for _ in range(length)]
+
+
+# --- the pure-Python replays (benchmarks/archive) ----------------------------------------------
+
+ASIDE = -1
+"""`admit_head`'s chunk for a request that steps aside this step for its read from disk."""
+
+
+def admit_head(
+    cache: HybridPrefixCache, info: RequestInfo, budget: int
+) -> tuple[Lookup, Lane | None, int]:
+    """vLLM's scheduler at its waiting queue's head, as the plugin's manager and connector see
+    it, for the replays that model vLLM around the cache runtime: the lookup; "not yet" while
+    the request's read from the disk tier is planned or in flight (chunk `ASIDE`: it keeps its
+    place, the next one is tried); the chunk its budget and exact taps allow (0: it waits); the
+    admission, or the prefetch a refused head gets. Returns the lookup, the lane (None unless
+    admitted) and the chunk."""
+    lookup = cache.lookup(info)
+    if cache.disk_wait(info.request_id, lookup):
+        return lookup, None, ASIDE
+    size = min(budget, len(info.token_ids) - lookup.frontier)
+    size = cache.chunk_limit(lookup.taps, lookup.frontier, size, info.num_prompt_tokens)
+    if size == 0:
+        return lookup, None, 0
+    lane = cache.admit(info, lookup, size)
+    if lane is None:
+        cache.prefetch(lookup)
+    return lookup, lane, size
 
 
 def gpu_engine_kwargs(

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_common import admit_head
 from workloads import Shape, mix
 
 from vllm_hpc.derived import runtime_config
@@ -200,14 +201,8 @@ class Engine:
             budget -= size
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            lookup = cache.lookup(request.info())
-            size = min(budget, request.n - lookup.frontier)
-            size = cache.chunk_limit(lookup.taps, lookup.frontier, size, request.n)
-            if size == 0:
-                break
-            lane = cache.admit(request.info(), lookup, size)
+            lookup, lane, size = admit_head(cache, request.info(), budget)
             if lane is None:
-                cache.prefetch(lookup)
                 break
             self.waiting.pop(0)
             request.lane, request.frontier = lane, lookup.frontier

@@ -35,7 +35,7 @@ from vllm_hpc.exactness import first_parting, top1_margins
 from vllm_hpc.glue.scheduler.disk_tier import DiskTier
 from vllm_hpc.glue.worker.disk_store import disk_journal_path, disk_slab_path
 from vllm_hpc.index import Snapshot
-from vllm_hpc.index.types import Medium
+from vllm_hpc.index.types import Medium, Residency
 from vllm_hpc.persistence.disk_journal import Replay, replay_journal
 from vllm_hpc.persistence.journal_entries import SnapshotOnDisk, encode_entry
 from vllm_hpc.runtime.cache import HybridPrefixCache
@@ -274,6 +274,23 @@ def read_on_hit(llm: Any, prompt: list[int], seed: int) -> Snapshot:
     raise AssertionError("the prompt's source never came to need a read from disk")
 
 
+def off_device(llm: Any, snapshot: Snapshot) -> None:
+    """Drop what the device holds of the snapshot and its path, as its eviction would, so that
+    a read brings it all: a read brings only what the device lacks and pins no device page, so
+    a page or slot image the device gave up while its request waits would be read again."""
+    cache = cache_of(llm)
+    store = cache.index.store
+    if snapshot.slot is not None and snapshot.image_disk is Residency.RESIDENT:
+        store.drop_snapshot_image_device(snapshot)
+    if snapshot in store.lru and snapshot.tail_disk is Residency.RESIDENT:
+        store.drop_snapshot_tail_device(snapshot)
+    for node in reversed(snapshot.anchor.path()):
+        if node in store.lru and node.disk is Residency.RESIDENT:
+            store.drop_node_device(node)
+    assert snapshot in store.snapshots
+    cache.audit()
+
+
 def test_a_prefix_only_the_disk_holds_is_read_back_and_decodes_the_cold_tokens(
     restarted: Any,
 ) -> None:
@@ -344,6 +361,8 @@ def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
     prompt = random_prompt(seed=770, length=1500)
     cold = cold_run(restarted, prompt)
     snapshot = read_on_hit(restarted, prompt, seed=780)
+    off_device(restarted, snapshot)  # one read, which the test counts
+    settle_writes(restarted)
     hits, reads = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads
     monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_slow"}))
     disk = engine.add_request("disk", {"prompt_token_ids": prompt}, greedy_params(ANSWER))

@@ -7,7 +7,15 @@ import dataclasses
 
 import pytest
 
-from tests.index.harness import BLOCK, Harness, JournalReplay, load_disk_only, make_index, toks
+from tests.index.harness import (
+    BLOCK,
+    Harness,
+    JournalReplay,
+    load_disk_only,
+    make_index,
+    snap,
+    toks,
+)
 from vllm_hpc.index import (
     HostGeometry,
     IndexConfig,
@@ -16,7 +24,13 @@ from vllm_hpc.index import (
     Residency,
     Snapshot,
 )
-from vllm_hpc.index.eviction_order import DISK_EVICTION, HOST_EVICTION, TierStep
+from vllm_hpc.index.eviction_order import (
+    DISK_EVICTION,
+    HOST_EVICTION,
+    SlotOwner,
+    TierStep,
+    slot_owner,
+)
 from vllm_hpc.index.host_pool import DiskSlabPool, HostSlabPool, SlabPool, SlabUse
 from vllm_hpc.index.journal import BlockStored, SnapshotPublished
 from vllm_hpc.index.source_choice import choose, source_options
@@ -195,11 +209,10 @@ def test_host_copies_on_disk_are_evicted_first_and_nothing_is_lost() -> None:
     assert match.candidates == [snapshot]
 
 
-def test_a_copy_on_disk_backs_the_device_as_a_host_copy_does() -> None:
-    """#50: the host gives up first what the disk holds too, so a device page or slot whose
-    only other copy is on disk must count as backed, not as a last copy: else the device keeps
-    it by value, a new tap finds no slot and is skipped, and a restore-from-disk that loses
-    nothing is priced as a loss (device hits lower with the disk tier than without it)."""
+def test_a_slot_owner_on_disk_gives_its_slot_up_as_a_host_backed_one_does() -> None:
+    """#50: the host gives up first what the disk holds too, so a slot owner whose only other
+    copy is on disk must count as backed, not as a last copy: else the device keeps it by value,
+    a new tap finds no slot and is skipped, and a slot given up for nothing raises L."""
     h = Harness(make_index(slots=1, host_slabs=20, disk_slabs=20))
     _, kept = tapped(h, 30)
     store = h.index.store
@@ -207,13 +220,46 @@ def test_a_copy_on_disk_backs_the_device_as_a_host_copy_does() -> None:
     to_disk(h)
     assert store.make_host_room(store.slabs.capacity)
     h.check()
-    path = kept.anchor.path()
     assert kept.media == {Medium.DEVICE, Medium.DISK} and kept.slot is not None
-    assert all(store.lru.is_backed(node) for node in path) and store.lru.is_backed(kept)
     (new,) = h.run(toks(31, BLOCK + 5), taps=[BLOCK])
     assert new is not None and h.index.stats.taps_skipped_no_slot == 0
     assert kept.slot is None and kept in store.snapshots and Medium.DISK in kept.media
     assert store.value.inflation == 0.0  # nothing was lost
+
+
+def test_a_slot_a_read_relies_on_stays_while_its_request_waits() -> None:
+    """A read brings to the host only what the device lacks: here the path, the image being in
+    a slot. While the read holds it, its owner counts as a last copy (a running request's row
+    takes it last) and no new tap takes its slot (else its request would read it again); once
+    the request is admitted it is backed by the disk again."""
+    h = Harness(make_index(slots=1, host_slabs=20, disk_slabs=20))
+    index, store = h.index, h.index.store
+    prompt = toks(52, 3 * BLOCK)
+    (snapshot,) = map(snap, h.run(prompt, taps=[2 * BLOCK]))
+    to_disk(h)
+    assert store.make_host_room(store.slabs.capacity)
+    grabbed = index.allocate_pages(index.available_pages)  # the path's pages go
+    assert grabbed is not None
+    index.free_pages(grabbed)
+    h.check()
+    assert snapshot.slot is not None and all(
+        n.media == {Medium.DISK} for n in snapshot.anchor.path()
+    )
+    read = index.plan_disk_read(snapshot)
+    assert read is not None and read.blocks and not read.image_slabs
+    index.complete_disk_read(read, keep=True)
+    h.check()
+    assert slot_owner(snapshot) is SlotOwner.DEVICE_ONLY
+    (skipped,) = h.run(toks(53, BLOCK + 5), taps=[BLOCK])
+    assert skipped is None and snapshot.slot is not None
+    quote = index.quote(index.match(index.prepare_prompt(prompt)), lambda f: 0)
+    assert quote.source is not None and quote.source.snapshot is snapshot
+    assert quote.source.disk_bytes == 0  # no second read
+    index.release_disk_read(read)
+    assert slot_owner(snapshot) is SlotOwner.BACKED
+    (new,) = h.run(toks(54, BLOCK + 5), taps=[BLOCK])
+    assert new is not None and snapshot.slot is None
+    h.check()
 
 
 def test_a_snapshot_write_stops_at_a_cheaper_one_written_behind() -> None:

@@ -1,8 +1,8 @@
 """The device LRU of unheld cached pages (§9.1).
 
-Two recency lists, by whether an entry has a copy on the host or the disk, consumed in
-`eviction_order.LRU_LISTS` order. ``OrderedDict`` is a C-implemented hash-linked list: O(1)
-append, removal and pop from the head.
+Two recency lists, by whether an entry has a host copy, consumed in `eviction_order.LRU_LISTS`
+order. ``OrderedDict`` is a C-implemented hash-linked list: O(1) append, removal and pop from
+the head.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import OrderedDict
 from itertools import chain
 
 from vllm_hpc.index.block_tree import BlockNode
-from vllm_hpc.index.eviction_order import LRU_LISTS, has_copy_below
+from vllm_hpc.index.eviction_order import LRU_LISTS, has_host_copy
 from vllm_hpc.index.snapshot import Snapshot
 
 LruEntry = BlockNode | Snapshot
@@ -42,9 +42,9 @@ class DeviceLRU:
         return entry in self._backed
 
     def place(self, entry: LruEntry) -> bool:
-        """Keep ``entry`` in the list `has_copy_below` names: its position if already there, else
+        """Keep ``entry`` in the list `has_host_copy` names: its position if already there, else
         appended at the MRU end. True when it joined the backed list just now."""
-        backed = has_copy_below(entry)
+        backed = has_host_copy(entry)
         target, other = self._lists[backed], self._lists[not backed]
         if entry in target:
             return False

@@ -35,19 +35,18 @@ def first_found(order: Iterable[Step], take: Callable[[Step], Found]) -> Found |
 # -- the device LRU (§9.1) ------------------------------------------------------------------
 
 
-def has_copy_below(entry: BlockNode | Snapshot) -> bool:
+def has_host_copy(entry: BlockNode | Snapshot) -> bool:
     """Whether evicting a device LRU entry (a node's page, a snapshot's tail page) drops only its
-    device copy, the host or the disk holding another: the LRU list it belongs to. The disk
-    counts as the host does: the host gives up first what the disk holds too (`HOST_EVICTION`),
-    and a device that took those entries for last copies would keep them over what it could
-    lose for nothing (#50)."""
+    device copy: the LRU list it belongs to. A disk copy does not count here, unlike for a slot
+    (`slot_owner`): a read brings to the host only what the device lacks and its request relies
+    on the pages it left there, and taking disk-backed pages first gained no hits (#50)."""
     if isinstance(entry, Snapshot):
-        return Residency.RESIDENT in (entry.tail_host, entry.tail_disk)
-    return Residency.RESIDENT in (entry.host, entry.disk)
+        return entry.tail_host is Residency.RESIDENT
+    return entry.host is Residency.RESIDENT
 
 
 LRU_LISTS: tuple[bool, ...] = (True, False)
-"""The device LRU's lists in eviction order, by `has_copy_below`: backed entries before
+"""The device LRU's lists in eviction order, by `has_host_copy`: host-backed entries before
 unbacked ones, least recently used first within each."""
 
 
@@ -61,15 +60,26 @@ class SlotOwner(Enum):
     """Nothing a request resumes from: a newer snapshot of its lineage serves instead."""
     BACKED = "backed"
     """Only its device copy: a hit restores the image from the host, or reads it from the disk
-    first (as `has_copy_below`)."""
+    first. The disk counts as the host does: the host gives up first what the disk holds too
+    (`HOST_EVICTION`), and owners the device took for last copies kept their slots by value, so
+    new taps were skipped (#50). Not while a read from disk holds the owner: the read brings
+    only what the device lacks, and its request relies on the slot's image."""
     DEVICE_ONLY = "device-only"
     """Its last copy: the snapshot goes, a value eviction (L rises, §9.3)."""
+
+
+def read_pinned(s: Snapshot) -> bool:
+    """Whether a read from disk holds the snapshot: in flight, or landed and kept for the
+    request it was planned for (`PrefixIndex.complete_disk_read`)."""
+    return s.disk_pins > 0 and s.image_disk is Residency.RESIDENT
 
 
 def slot_owner(s: Snapshot) -> SlotOwner:
     if s.superseded:
         return SlotOwner.SUPERSEDED
-    if Residency.RESIDENT in (s.image_host, s.image_disk):
+    if s.image_host is Residency.RESIDENT:
+        return SlotOwner.BACKED
+    if s.image_disk is Residency.RESIDENT and not read_pinned(s):
         return SlotOwner.BACKED
     return SlotOwner.DEVICE_ONLY
 
@@ -140,11 +150,11 @@ class Room(Enum):
     """A state row given back while the plan being built may still copy it: another state may
     have it at once, since copies into and out of state rows keep their order within a plan."""
     LOSSLESS_KV_ROW = "lossless KV row"
-    """A free row, or a row of cached pages that all have copies below, by `kv_row_key`."""
+    """A free row, or a row of cached pages that all have host copies, by `kv_row_key`."""
     KV_ROW = "KV row"
     """The row of free and cached pages the device LRU would empty first (`kv_row_key`)."""
     BACKED_PAGE = "backed page"
-    """The least recently used backed LRU entry's page (`has_copy_below`)."""
+    """The least recently used host-backed LRU entry's page."""
     UNBACKED_PAGE = "unbacked page"
     """The least recently used LRU entry without a host copy: its block's subtree goes too."""
     LOSSLESS_SNAPSHOT = "lossless snapshot"
@@ -191,7 +201,7 @@ first."""
 def kv_row_key(newest: int, row: RowId) -> tuple[int, int]:
     """The row of KV pages a state takes: the one whose most recently used entry (``newest``, its
     position in the LRU's order; -1 for none) is the oldest, so eviction follows the LRU as
-    closely as whole rows allow, and a row of backed entries goes before any row that loses
+    closely as whole rows allow, and a row of host-backed entries goes before any row that loses
     a last copy. Among rows with nothing to evict, the highest: KV pages are taken lowest first."""
     return (newest, -row)
 
@@ -224,7 +234,7 @@ class TierStep(Enum):
 
     BACKED = "backed"
     """A host copy the disk also holds (`backed_on_disk`), oldest first: nothing is lost, as
-    the device LRU drops backed pages first."""
+    the device LRU drops host-backed pages first."""
     DEAD_KV = "dead KV"
     """A block no snapshot can reach, oldest first: it can never produce a hit."""
     SUPERSEDED = "superseded"

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.device_lru import LruEntry
 from vllm_hpc.index.device_pool import PageState
-from vllm_hpc.index.eviction_order import has_copy_below
+from vllm_hpc.index.eviction_order import has_host_copy
 from vllm_hpc.index.host_eviction import TierEvictor
 from vllm_hpc.index.host_pool import CHUNK_LIMIT_BYTES, Id, SlabPool, SlabUse
 from vllm_hpc.index.lease import Lease
@@ -290,10 +290,10 @@ def _check_device(store: CacheStore, nodes: list[BlockNode], snapshots: list[Sna
     expected_lru: dict[LruEntry, bool] = {}
     for node in nodes:
         if not node.is_root and node.device is Residency.RESIDENT and not node.held:
-            expected_lru[node] = has_copy_below(node)
+            expected_lru[node] = has_host_copy(node)
     for s in snapshots:
         if s.tail_device is Residency.RESIDENT and s.restore_pins == 0:
-            expected_lru[s] = has_copy_below(s)
+            expected_lru[s] = has_host_copy(s)
     order = store.lru.order()
     _expect(len(order) == len(expected_lru), "device LRU size differs from the rule")
     for entry in order:

@@ -226,7 +226,7 @@ class PrefixIndex:
         """§6.6: copy up to ``limit`` host-only blocks of the path to the deepest candidate into
         spare device pages while its request waits; None when there is nothing to copy.
 
-        Spare pages are free ones and backed cached ones: a prefetch never drops a last
+        Spare pages are free ones and host-backed cached ones: a prefetch never drops a last
         copy. The path stays pinned until ``complete_prefetch``; the blocks then sit at the MRU
         end of the device LRU like any cached block, and the admission finds them resident.
 

@@ -9,7 +9,12 @@ the slot is staged and gives back when it is released; D is a cap, not memory se
 
 from __future__ import annotations
 
-from vllm_hpc.index.eviction_order import give_way_key, may_replace, replacement_key
+from vllm_hpc.index.eviction_order import (
+    give_way_key,
+    may_replace,
+    read_pinned,
+    replacement_key,
+)
 from vllm_hpc.index.snapshot import Snapshot
 from vllm_hpc.index.types import SlotId
 
@@ -50,14 +55,19 @@ class DeviceSnapshotSlots:
 
     def replacement(self, new_priority: float) -> Snapshot | None:
         """The owner whose slot a new snapshot of estimated value ``new_priority`` takes when
-        none is free (`REPLACEMENT`), or None: the capture is skipped. Pinned owners stay.
+        none is free (`REPLACEMENT`), or None: the capture is skipped. Pinned owners stay, and
+        so does one a read from disk holds: the read brings only what the device lacks, so its
+        request relies on the slot's image, and a tap taking it would have it read again (#50).
 
         A pure decision: the caller evicts the owner, then stages its slot.
         """
         owners = [
             s
             for s in self._owners
-            if s is not None and s.restore_pins == 0 and may_replace(s, new_priority)
+            if s is not None
+            and s.restore_pins == 0
+            and not read_pinned(s)
+            and may_replace(s, new_priority)
         ]
         return min(owners, key=replacement_key, default=None)
 

@@ -24,7 +24,7 @@ class RowChoice:
     evict: tuple[LruEntry, ...]
     """The row's cached pages' owners, to evict before the row is taken."""
     unbacked: int
-    """How many of them have no copy below: evicting those loses their blocks (§9.4)."""
+    """How many of them have no host copy: evicting those loses their blocks (§9.4)."""
     newest: int
     """The LRU position of the last of them to go (-1 for none): the rank the choice minimises."""
 

@@ -92,7 +92,7 @@ class CacheStore:
         self.prefetch_epoch = 0
         """Counts the changes that can let a prefetch for the same deepest snapshot copy what it
         could not (§6.6): a copy landing (a Filling path no longer blocks), a device copy dropped
-        from a node that stays (a block to copy), an entry joining the backed device LRU
+        from a node that stays (a block to copy), an entry joining the host-backed device LRU
         (spare room). Free pages, the rest of spare room, the prefetch compares itself; a
         snapshot or node deleted or added changes the deepest snapshot of a match, or does not
         touch its path."""

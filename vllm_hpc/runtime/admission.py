@@ -276,9 +276,10 @@ class Admission:
 
     def _hit_medium(self, request_id: str, source: Snapshot | None, from_host: bool) -> Medium:
         """Where an admission's prefix came from, for the hit counters: the disk when its
-        source is what a read of its own brought to the host."""
+        source is what a read of its own brought to the host, restored from there or from the
+        pages a prefetch copied it to while the request waited for room."""
         read = self._reads.get(request_id)
-        if from_host and read is not None and read.snapshot is source:
+        if read is not None and read.snapshot is source:
             return Medium.DISK
         return Medium.HOST if from_host else Medium.DEVICE
 

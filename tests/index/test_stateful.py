@@ -32,7 +32,7 @@ from vllm_hpc.index import (
     xxh3_block_hash,
 )
 from vllm_hpc.index.prompt import pack_tokens
-from vllm_hpc.index.transfers import DiskRead, DiskWrite
+from vllm_hpc.index.transfers import DiskRead, DiskWrite, ReadRoom
 
 DOCS = [[(d * 31 + i * 17) % 997 for i in range(6 * BLOCK)] for d in range(2)]
 HEADS = [[*doc, 1] for doc in DOCS]
@@ -350,9 +350,10 @@ class IndexMachine(RuleBasedStateMachine):
             else:
                 self.disk_transfers.append(write)
 
-    @rule(pick=st.integers(0, 99), now=st.booleans())
-    def read_back(self, pick: int, now: bool) -> None:
-        """A snapshot's disk-only parts are read into the host, as a hit on disk will."""
+    @rule(pick=st.integers(0, 99), now=st.booleans(), room=st.sampled_from(ReadRoom))
+    def read_back(self, pick: int, now: bool, room: ReadRoom) -> None:
+        """A snapshot's disk-only parts are read into the host, as a hit on disk will (or a
+        read ahead of its request's turn, or the start-up read: what it may evict differs)."""
         store = self.index.store
         snapshots = [s for s in store.snapshots if s.holds_disk]
         if not snapshots:
@@ -364,7 +365,10 @@ class IndexMachine(RuleBasedStateMachine):
             store.drop_snapshot_image_device(snapshot)  # and the device its slot
         if snapshot not in store.snapshots:
             return
-        read = self.index.plan_disk_read(snapshot)
+        by_value = self.index.stats.host_gdsf_evicted
+        read = self.index.plan_disk_read(snapshot, room)
+        if room is not ReadRoom.ANY:  # no last copy goes by value for a read ahead or a start
+            assert self.index.stats.host_gdsf_evicted == by_value
         if read is None:
             return
         if now:

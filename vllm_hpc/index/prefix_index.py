@@ -17,6 +17,7 @@ A request's life::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -38,6 +39,7 @@ from vllm_hpc.index.source_choice import (
     AdmissionQuote,
     GrowthPages,
     MatchResult,
+    choose,
     classify,
     lookup,
     record_read,
@@ -53,6 +55,7 @@ from vllm_hpc.index.transfers import (
     DiskRead,
     DiskWrite,
     Prefetch,
+    ReadRoom,
     Restore,
     SnapshotWrite,
     Transfer,
@@ -152,7 +155,7 @@ class PrefixIndex:
         readiness, source, need = classify(
             options, growth_pages, store.available_pages, store.usable_pages
         )
-        return AdmissionQuote(readiness, source, need, match, store.tick)
+        return AdmissionQuote(readiness, source, choose(options), need, match, store.tick)
 
     def is_current(self, quote: AdmissionQuote) -> bool:
         """Nothing changed since ``quote``: its match and source still hold."""
@@ -366,15 +369,15 @@ class PrefixIndex:
         self.store.disk_pin_snapshot(write.snapshot, -1)
         self.stats.disk_writes_failed += 1
 
-    def plan_disk_read(self, snapshot: Snapshot, evict: bool = True) -> DiskRead | None:
+    def plan_disk_read(self, snapshot: Snapshot, room: ReadRoom = ReadRoom.ANY) -> DiskRead | None:
         """Read what only the disk holds of ``snapshot`` and its path into new host slabs,
-        evicting from the host as for a hit (``evict``; else into free slabs only, as the
-        start-up read does), so a host restore can follow (§4 of the plan): the path's
+        evicting from the host what ``room`` allows, so a host restore can follow (§4 of the
+        plan): the path's
         disk-only blocks, and its image and tail as one record (the journal's CRC covers both)
         where the host holds neither and the device does not hold all it needs. None when
         nothing is to read, a copy of it is landing, a path block has only a device copy (the
         device LRU may drop it, and a disk read pins no device page), or the host has no
-        room."""
+        room (counted as declined for a hit's read alone: `ReadRoom.ANY`)."""
         store = self.store
         if snapshot not in store.snapshots:
             raise ValueError("the snapshot is not in this index")
@@ -389,13 +392,16 @@ class PrefixIndex:
         image_count = store.value.geometry.image_slabs if record else 0
         read_tail = record and bool(snapshot.tail)
         count = len(blocks) + image_count + read_tail
-        if not count or (not evict and count > store.slabs.num_free):
+        if not count or (room is ReadRoom.FREE and count > store.slabs.num_free):
             return None
         store.advance()
         store.disk_pin_snapshot(snapshot, 1)  # making room must not take its own path
-        if not store.make_host_room(count):
+        # A limit below every value: the eviction stops where a last copy would go.
+        limit = -math.inf if room is ReadRoom.LOSSLESS else None
+        if not store.make_host_room(count, limit=limit):
             store.disk_pin_snapshot(snapshot, -1)
-            self.stats.disk_reads_declined += 1
+            if room is ReadRoom.ANY:
+                self.stats.disk_reads_declined += 1
             return None
         pool = store.slabs
         block_slabs = pool.allocate(len(blocks), SlabUse.NODE)

@@ -85,6 +85,9 @@ class AdmissionQuote:
     readiness: Readiness
     source: SourceOption | None
     """The feasible source (READY only)."""
+    preferred: SourceOption
+    """The source cost alone chooses (`choose`), whether it fits now or not: what a blocked
+    request's read from disk prepares while it waits (§6.6)."""
     need_pages: int
     """Pages the source needs (READY), or that the root needs (otherwise)."""
     match: MatchResult

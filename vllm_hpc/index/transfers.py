@@ -9,6 +9,7 @@ pins (§6.5, §7.4, §7.6).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from vllm_hpc.index.block_tree import BlockNode
 from vllm_hpc.index.snapshot import Snapshot
@@ -105,6 +106,18 @@ class DiskRead:
     image_slabs: tuple[SlabId, ...]
     """Both empty when the image is in a device slot or on the host."""
     tail: tuple[DiskSlabId, SlabId] | None
+
+
+class ReadRoom(Enum):
+    """What a read from disk may evict from the host tier to make its room (§9.3)."""
+
+    FREE = "free"
+    """Free slabs only: the start-up read, which must not push out what requests brought."""
+    LOSSLESS = "lossless"
+    """What loses nothing too (host copies the disk holds, dead KV, superseded snapshots), no
+    last copy: a read ahead of its request's turn, which may not come soon."""
+    ANY = "any"
+    """By value too, as any hit: the request reads now or recomputes."""
 
 
 WriteRecord = BlockWrite | SnapshotWrite

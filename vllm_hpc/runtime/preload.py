@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from vllm_hpc.index import PrefixIndex, Snapshot
-from vllm_hpc.index.transfers import DiskRead
+from vllm_hpc.index.transfers import DiskRead, ReadRoom
 from vllm_hpc.runtime.pipeline import StepPipeline, disk_slab_count
 
 
@@ -66,7 +66,7 @@ class Preload:
             snapshot = self._queue.popleft()
             if snapshot not in self.index.store.snapshots:
                 continue
-            read = self.index.plan_disk_read(snapshot, evict=False)
+            read = self.index.plan_disk_read(snapshot, ReadRoom.FREE)
             if read is not None:
                 self.pipeline.disk_read(read)
                 self._reading = read

@@ -390,3 +390,43 @@ def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
     assert_cold(out, cold)
     settle_writes(restarted)
     assert snapshot.disk_pins == 0  # released at its admission
+
+
+def test_a_request_queued_behind_a_full_running_set_reads_ahead_of_its_turn(
+    restarted: Any,
+) -> None:
+    """Four requests fill the running set (`small_pool_llm`: 4), so vLLM does not reach the
+    request queued behind them, whose prefix only the disk holds. Its read is planned at that
+    first step all the same (`read_ahead`); when a running request finishes it is admitted
+    from the host copies the read brought, with no second read, counts disk hit tokens and
+    decodes the cold run's tokens."""
+    cache = cache_of(restarted)
+    engine = restarted.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    prompt = random_prompt(seed=800, length=1500)
+    cold = cold_run(restarted, prompt)
+    snapshot = read_on_hit(restarted, prompt, seed=810)
+    off_device(restarted, snapshot)  # one read, which the test counts
+    settle_writes(restarted)
+    hits, reads = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads
+    ahead = cache.admissions.disk_reads_ahead
+    for i in range(scheduler.max_num_running_reqs):
+        short = random_prompt(seed=820 + i, length=70)
+        engine.add_request(f"running-{i}", {"prompt_token_ids": short}, greedy_params(16))
+    disk = engine.add_request("disk", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
+    outputs = {out.request_id: out for out in engine.step()}
+    assert len(scheduler.running) == scheduler.max_num_running_reqs
+    assert scheduler.requests[disk].num_computed_tokens == 0
+    assert cache.admissions.disk_reads_ahead == ahead + 1
+    assert cache.index.stats.disk_reads == reads + 1
+    cache.audit()
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step())
+    out = outputs["disk"]
+    assert out.finished
+    assert out.num_cached_tokens == snapshot.frontier > 0
+    assert cache.admissions.hit_tokens_disk - hits == snapshot.frontier
+    assert cache.index.stats.disk_reads == reads + 1
+    assert_cold(out, cold)
+    settle_writes(restarted)
+    assert snapshot.disk_pins == 0  # released at its admission

@@ -196,6 +196,13 @@ DISK_WRITE_BYTES_PER_STEP = 128 << 20
 while the planned writes pin only that much of the host tier beyond what is landing."""
 
 
+DISK_READ_AHEAD_REQUESTS = 4
+"""The waiting queue's first requests whose reads from the disk tier are planned before vLLM
+reaches them (`Admission.read_ahead`). A few: a slot that frees admits the head at once, so a
+read started before its turn is what hides the disk; each read ahead holds its host slabs until
+its request is admitted, and the queue's later requests would only hold them longer."""
+
+
 def disk_write_bound(geometry: HostGeometry, max_model_len: int) -> int:
     """The byte bound of a step's `PrefixIndex.plan_disk_writes`: `DISK_WRITE_BYTES_PER_STEP`,
     or more where one snapshot with a --max-model-len path needs more. A snapshot goes to disk

@@ -18,6 +18,7 @@ handling covers them; all with vLLM's `model_name` and `engine` labels):
 - `vllm:hpc_disk_bytes{what="written"|"read"}` (write-behind batches every worker made durable
   and the journal recorded; reads every worker checked), `vllm:hpc_disk_writes_failed`,
   `vllm:hpc_disk_reads_declined` (reads the host tier had no room for),
+  `vllm:hpc_disk_reads_ahead` (reads planned for waiting requests before their turn),
   `vllm:hpc_disk_reads_failed` and `vllm:hpc_disk_records_dropped` (records a read found
   damaged);
 - gauges `vllm:hpc_snapshots`, `vllm:hpc_snapshot_slots_used`, `vllm:hpc_active_slots_used`,

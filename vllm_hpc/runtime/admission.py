@@ -35,11 +35,12 @@ from vllm_hpc.index import (
     RowId,
     Snapshot,
     SnapshotKind,
+    SourceOption,
     TapPlanner,
     pages_for,
     plan_exact_tap,
 )
-from vllm_hpc.index.transfers import DiskRead
+from vllm_hpc.index.transfers import DiskRead, ReadRoom
 from vllm_hpc.index.types import Medium
 from vllm_hpc.runtime.lane import Lane
 from vllm_hpc.runtime.pipeline import StepPipeline
@@ -247,18 +248,46 @@ class Admission:
             self._drop_read(request_id)
             self._reads[request_id] = landing
             return True
-        source = quote.source
-        if source is None or not source.disk_bytes:
+        source = _read_source(quote)
+        if not source.disk_bytes:
             return False
         assert source.snapshot is not None
-        if self.index.is_current(quote):
-            read = self.index.plan_disk_read(source.snapshot)
-            self._drop_read(request_id)  # a read landed before serves no longer
-            if read is None:
-                self._no_disk.add(request_id)
-            else:
-                self.pipeline.disk_read(read)
-                self._reads[request_id] = read
+        if self.index.is_current(quote) and not self._plan_read(request_id, source.snapshot):
+            self._no_disk.add(request_id)
+        return True
+
+    def read_ahead(self, request_id: str, lookup: Lookup) -> bool:
+        """A waiting request vLLM has not reached (its running set is full, or the step's token
+        budget spent): plan the read its lookup's source needs from the disk tier now, so that
+        it has landed when the request's turn comes (§6.6's prefetch, extended to the disk).
+        Its room evicts no last copy (`ReadRoom.LOSSLESS`): the turn may not come soon. One
+        that finds no room is not given up: the request's turn reads as a hit. Whether it was
+        planned."""
+        quote = lookup.quote
+        if quote is None or lookup.sibling is not None or request_id in self._reads:
+            return False
+        source = _read_source(quote)
+        if not source.disk_bytes or self._landing(quote) is not None:
+            return False
+        assert source.snapshot is not None
+        if not self.index.is_current(quote):
+            return False
+        if not self._plan_read(request_id, source.snapshot, ReadRoom.LOSSLESS):
+            return False
+        self.counters.disk_reads_ahead += 1
+        return True
+
+    def _plan_read(
+        self, request_id: str, snapshot: Snapshot, room: ReadRoom = ReadRoom.ANY
+    ) -> bool:
+        """Read ``snapshot``'s disk-only parts for the request (`PrefixIndex.plan_disk_read`);
+        a read it landed before serves no longer. Whether the host had room."""
+        read = self.index.plan_disk_read(snapshot, room)
+        self._drop_read(request_id)
+        if read is None:
+            return False
+        self.pipeline.disk_read(read)
+        self._reads[request_id] = read
         return True
 
     def _landing(self, quote: AdmissionQuote) -> DiskRead | None:
@@ -450,6 +479,13 @@ class Admission:
         if not pages:
             raise RuntimeError("a quoted admission found no page")
         return pages[0]
+
+
+def _read_source(quote: AdmissionQuote) -> SourceOption:
+    """The source a read from disk prepares: the quote's, or while the request is blocked for
+    room (no source fits now), the one cost chooses, so that the read runs while it waits
+    (§6.6's prefetch, extended to the disk)."""
+    return quote.source if quote.source is not None else quote.preferred
 
 
 def owed_pages(reserve_end: int, num_prompt_tokens: int, pages_taken: int) -> int:

@@ -178,6 +178,9 @@ class HybridPrefixCache:
     def disk_wait(self, request_id: str, lookup: Lookup) -> bool:
         return self.admission.disk_wait(request_id, lookup)
 
+    def read_ahead(self, request_id: str, lookup: Lookup) -> bool:
+        return self.admission.read_ahead(request_id, lookup)
+
     def reading_for(self, request_id: str) -> bool:
         return self.admission.reading_for(request_id)
 

@@ -23,6 +23,9 @@ class AdmissionCounters:
     coalesced_requests: int = 0
     """Queue heads admitted after waiting for a running sibling's snapshot (§12.2); requests
     queued behind a waiting head are not counted."""
+    disk_reads_ahead: int = 0
+    """Reads from the disk tier planned for waiting requests before vLLM reached them
+    (`Admission.read_ahead`)."""
 
 
 @dataclass(slots=True)
@@ -86,6 +89,11 @@ ADMISSION = (
         "coalesced_requests",
         "vllm:hpc_coalesced_requests",
         "Queue heads admitted after waiting for a running request's snapshot of their prefix",
+    ),
+    Metric(
+        "disk_reads_ahead",
+        "vllm:hpc_disk_reads_ahead",
+        "Reads from the disk tier planned for waiting requests before their turn",
     ),
 )
 """`AdmissionCounters` fields."""

@@ -219,13 +219,34 @@ class HybridPrefixKVCacheManager:
             or lookup.read_limit != info.read_limit
             or not self.cache.reading_for(rid)
         ):
-            try:
-                lookup = self.cache.lookup(info)
-            except InfeasibleRequest as error:
-                self.unservable[rid] = str(error)
+            lookup = self._lookup(info)
+            if lookup is None:
                 return self.empty_kv_cache_blocks, 0, 0
-        self._lookups[rid] = lookup
         return self.empty_kv_cache_blocks, lookup.frontier, 0
+
+    def _lookup(self, info: RequestInfo) -> Lookup | None:
+        """The cache's lookup, kept for the request; None: it can never be served."""
+        try:
+            lookup = self.cache.lookup(info)
+        except InfeasibleRequest as error:
+            self.unservable[info.request_id] = str(error)
+            return None
+        self._lookups[info.request_id] = lookup
+        return lookup
+
+    def read_ahead(self, waiting: Iterable[Any]) -> None:
+        """With a disk tier: the queue's first requests (``waiting``, in order) that vLLM has
+        not looked up get the reads their sources need planned now (`Admission.read_ahead`),
+        once each; a request vLLM looked up reads at its lookup (`disk_wait`)."""
+        if self.disk_tier is None:
+            return
+        for request in waiting:
+            rid = request.request_id
+            if rid in self._lookups or rid in self.unservable or rid in self.lanes:
+                continue
+            lookup = self._lookup(request_info(request, self._keys(request)))
+            if lookup is not None:
+                self.cache.read_ahead(rid, lookup)
 
     def disk_wait(self, request_id: str) -> bool:
         """Whether the waiting request steps aside this step for a read from the disk tier

@@ -1,7 +1,7 @@
 """HybridPrefixScheduler: vLLM's scheduler with vllm_hpc's KV cache manager.
 
 `--scheduler-cls` is vLLM's supported way to change what `Scheduler.__init__` builds. The
-subclasses here change six things and leave the scheduling policy (FCFS, chunked prefill,
+subclasses here change seven things and leave the scheduling policy (FCFS, chunked prefill,
 preemption) to vLLM:
 
 - the KV cache manager is a `HybridPrefixKVCacheManager`, and no more requests run at once than
@@ -13,6 +13,8 @@ preemption) to vLLM:
 - while the disk tier's start-up read runs, the engine core keeps stepping without requests
   (`has_requests`), as vLLM's busy loop does for a connector's pending work, so that the
   workers' reads are handed out and reported;
+- after each schedule, the waiting queue's first requests that vLLM did not reach get their
+  reads from the disk tier planned ahead of their turn (`read_ahead`);
 - with `--cache-audit-rate`, the cache audit's runs are queued and their outputs kept from the
   front end (`cache_audit.py`).
 
@@ -26,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import vllm.v1.core.sched.scheduler as vllm_scheduler
@@ -35,6 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
+from vllm_hpc.derived import DISK_READ_AHEAD_REQUESTS
 from vllm_hpc.glue.scheduler.cache_audit import CacheAudit
 from vllm_hpc.glue.scheduler.kv_events import SnapshotEventPublisher
 from vllm_hpc.glue.scheduler.kv_manager import HybridPrefixKVCacheManager
@@ -50,6 +54,7 @@ class _HybridPrefixMixin:
     kv_event_publisher: EventPublisher
     _audit: CacheAudit | None
     requests: dict[str, Any]
+    waiting: Any
     max_num_running_reqs: int
     max_num_active_reqs: int
     need_mamba_block_aligned_split: bool
@@ -114,6 +119,7 @@ class _HybridPrefixMixin:
         """vLLM's step, recorded as in flight for its requests until its output (§7.7)."""
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.kv_cache_manager.steps_scheduled(output)
+        self.kv_cache_manager.read_ahead(islice(self.waiting, DISK_READ_AHEAD_REQUESTS))
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

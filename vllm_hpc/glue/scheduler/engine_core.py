@@ -10,8 +10,8 @@ which every orderly stop reaches in every executor (uniproc, multiprocess): `LLM
 `AsyncLLM` shutdown or deletion (in process or not), and `vllm serve` on SIGTERM or SIGINT
 (vLLM's engine-core process turns the signal into an orderly exit whose `finally` calls
 `shutdown`). An engine core that died of an error (`_send_engine_dead`) or whose executor
-failed writes nothing more. Its busy loop takes the front end's `ORDERLY_STOP` as it takes
-SIGTERM, until the flush begins (`glue/stop_signals.py`).
+failed writes nothing more. Its busy loop takes the first of SIGTERM, SIGINT and the front
+end's `ORDERLY_STOP` as vLLM takes SIGTERM, until the flush begins (`glue/stop_signals.py`).
 
 The journal is replayed when the scheduler is built (`DiskTier`); the entries it brings back
 are published as KV events before the first request: in a wrapper of `EngineCore.__init__` for
@@ -33,7 +33,7 @@ from vllm_hpc.derived import save_grace_seconds
 from vllm_hpc.glue import InstallOnce
 from vllm_hpc.glue.scheduler.disk_tier import DiskTier
 from vllm_hpc.glue.scheduler.stop_flush import flush_at_stop
-from vllm_hpc.glue.stop_signals import accept_orderly_stop, dump_stacks_on_request
+from vllm_hpc.glue.stop_signals import dump_stacks_on_request, stop_on_the_first_signal
 from vllm_hpc.options import PluginOptions
 
 logger = logging.getLogger("vllm.vllm_hpc")
@@ -85,7 +85,7 @@ def _before_the_busy_loop(run_busy_loop: Callable[[Any], None]) -> Callable[[Any
     def wrapper(self: Any) -> None:
         _published_once(self)
         if _disk_tier(self) is not None:
-            accept_orderly_stop(lambda: getattr(self, "_hpc_saved", False))
+            stop_on_the_first_signal(lambda: getattr(self, "_hpc_saved", False))
             dump_stacks_on_request()
             self.scheduler.stop_requested = partial(_stop_requested, self)
         run_busy_loop(self)

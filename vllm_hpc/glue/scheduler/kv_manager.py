@@ -244,6 +244,8 @@ class HybridPrefixKVCacheManager:
             rid = request.request_id
             if rid in self._lookups or rid in self.unservable or rid in self.lanes:
                 continue
+            if request.num_computed_tokens:  # resumable: vLLM never looks it up (`allocate_slots`)
+                continue
             lookup = self._lookup(request_info(request, self._keys(request)))
             if lookup is not None:
                 self.cache.read_ahead(rid, lookup)

@@ -372,12 +372,11 @@ class PrefixIndex:
     def plan_disk_read(self, snapshot: Snapshot, room: ReadRoom = ReadRoom.ANY) -> DiskRead | None:
         """Read what only the disk holds of ``snapshot`` and its path into new host slabs,
         evicting from the host what ``room`` allows, so a host restore can follow (§4 of the
-        plan): the path's
-        disk-only blocks, and its image and tail as one record (the journal's CRC covers both)
-        where the host holds neither and the device does not hold all it needs. None when
-        nothing is to read, a copy of it is landing, a path block has only a device copy (the
-        device LRU may drop it, and a disk read pins no device page), or the host has no
-        room (counted as declined for a hit's read alone: `ReadRoom.ANY`)."""
+        plan): the path's disk-only blocks, and its image and tail as one record (the journal's
+        CRC covers both) where the host holds neither and the device does not hold all it needs.
+        None when nothing is to read, a copy of it is landing, a path block has only a device
+        copy (the device LRU may drop it, and a disk read pins no device page), or the host has
+        no room (counted as declined for a hit's read alone: `ReadRoom.ANY`)."""
         store = self.store
         if snapshot not in store.snapshots:
             raise ValueError("the snapshot is not in this index")
